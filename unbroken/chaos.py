@@ -1,0 +1,76 @@
+"""Deterministic fault injection, shared by tests, benchmarks and demos.
+
+A schedule is a ``;``-separated list of faults ``KIND@POINT[,key=value...]``, read from the
+``UNBROKEN_CHAOS`` environment variable by every worker. Each fault fires at most once per
+process, the first time its point is reached with all its conditions true.
+
+Kinds: ``kill`` (SIGKILL this process), ``hang`` (SIGSTOP this process).
+Points: ``step`` (start of a step), ``allreduce`` (right after the first gradient bucket was sent),
+``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing source, after the
+transfer began).
+Conditions: ``rank=`` local rank on its node, ``step=`` the step is at least this,
+``restart=`` the process's restart count (default 0: only the first incarnation).
+
+Example: ``kill@allreduce,rank=2,step=5;kill@heal,rank=0,step=8``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from unbroken.errors import ConfigError
+
+KINDS = ("kill", "hang")
+POINTS = ("step", "allreduce", "commit", "heal")
+ENV = "UNBROKEN_CHAOS"
+
+
+@dataclass
+class Fault:
+    kind: str
+    point: str
+    rank: int | None = None
+    step: int = 0
+    restart: int = 0
+    fired: bool = False
+
+
+def parse(schedule: str) -> list[Fault]:
+    """Parse a schedule; raises :class:`ConfigError` naming the bad part."""
+    faults = []
+    for part in filter(None, (p.strip() for p in schedule.split(";"))):
+        head, _, rest = part.partition(",")
+        kind, at, point = head.partition("@")
+        if kind not in KINDS or not at or point not in POINTS:
+            raise ConfigError(f"bad fault {part!r}: expected KIND@POINT with KIND in {KINDS} and POINT in {POINTS}")
+        fault = Fault(kind, point)
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if key not in ("rank", "step", "restart") or not eq or not value.lstrip("-").isdigit():
+                raise ConfigError(f"bad condition {item!r} in fault {part!r}: use rank=N, step=N or restart=N")
+            setattr(fault, key, int(value))
+        faults.append(fault)
+    return faults
+
+
+class Chaos:
+    """The faults that apply to this process."""
+
+    def __init__(self, faults: list[Fault], local_rank: int, restart: int) -> None:
+        self.faults = [f for f in faults if (f.rank is None or f.rank == local_rank) and f.restart == restart]
+
+    @classmethod
+    def from_env(cls) -> "Chaos":
+        return cls(
+            parse(os.environ.get(ENV, "")),
+            int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ.get("UNBROKEN_RESTART_COUNT", "0")),
+        )
+
+    def point(self, name: str, step: int) -> None:
+        for fault in self.faults:
+            if not fault.fired and fault.point == name and step >= fault.step:
+                fault.fired = True
+                os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)

@@ -1,0 +1,147 @@
+"""The ``unbroken`` command: ``run`` (launch a node), ``coordinator`` (run one alone), ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+from unbroken.errors import ConfigError, UnbrokenError
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """Add ``--a-b`` with torchrun's ``--a_b`` spelling as an alias."""
+    names = [name]
+    if "-" in name[2:]:
+        names.append("--" + name[2:].replace("-", "_"))
+    parser.add_argument(*names, **kwargs)
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    from unbroken.launcher import LaunchSettings
+
+    d = LaunchSettings.__dataclass_fields__
+    p = sub.add_parser("run", help="run a training script on this node, surviving worker failures")
+    _flag(p, "--nproc-per-node", type=str, default="1", help="worker processes on this node (default 1)")
+    _flag(p, "--max-restarts", type=int, default=d["max_restarts"].default, help="restarts per worker after a crash (default %(default)s)")
+    _flag(p, "--run-dir", default=None, help="logs and events go here (default unbroken-runs/<time>-<pid>)")
+    _flag(p, "--coordinator", default=None, help="HOST:PORT of an external coordinator (default: start one here)")
+    _flag(p, "--coordinator-host", default=d["coordinator_host"].default, help="address of the embedded coordinator (default %(default)s)")
+    _flag(p, "--coordinator-port", type=int, default=d["coordinator_port"].default, help="port of the embedded coordinator (default 0: any free)")
+    _flag(p, "--node-name", default=None, help="name of this node (default: host name)")
+    _flag(p, "--heartbeat-interval", type=float, default=d["heartbeat_interval"].default, help="seconds between heartbeats (default %(default)s)")
+    _flag(p, "--heartbeat-timeout", type=float, default=d["heartbeat_timeout"].default, help="silence that declares a worker dead (default %(default)s)")
+    _flag(p, "--collective-timeout", type=float, default=d["collective_timeout"].default, help="longest wait of one collective (default %(default)s)")
+    _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default, help="first restart delay, doubling (default %(default)s)")
+    _flag(p, "--tee", type=int, default=None, help="show this local rank's output on the console (default: lowest alive)")
+    _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
+    _flag(p, "--record-samples", action="store_true", help="log every step's sample positions under the run directory")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _positive_int(flag: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{flag} must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    import socket
+
+    from unbroken.launcher import Launcher, LaunchSettings
+
+    settings = LaunchSettings(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nproc_per_node=_positive_int("--nproc-per-node", args.nproc_per_node),
+        max_restarts=args.max_restarts,
+        restart_backoff=args.restart_backoff,
+        run_dir=args.run_dir,
+        coordinator=args.coordinator,
+        coordinator_host=args.coordinator_host,
+        coordinator_port=args.coordinator_port,
+        node=args.node_name or socket.gethostname(),
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
+        collective_timeout=args.collective_timeout,
+        tee=args.tee,
+        chaos=args.chaos,
+        record_samples=args.record_samples,
+    )
+    return Launcher(settings).run()
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from unbroken.coordinator import Coordinator, CoordinatorSettings
+    from unbroken.membership import MembershipSettings
+    from unbroken.telemetry import EventLog
+
+    coordinator = Coordinator(
+        CoordinatorSettings(host=args.host, port=args.port, store_port=args.store_port, advertise_host=args.advertise_host),
+        MembershipSettings(heartbeat_timeout=args.heartbeat_timeout, expected_members=args.expected_members),
+        EventLog.for_run_dir(args.run_dir, "coordinator"),
+    )
+    try:
+        coordinator.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from unbroken.client import CoordinatorClient
+
+    status = CoordinatorClient(args.address, timeout=args.timeout).status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"generation {status['generation']}  committed step {status['committed_step']}  live {status['live']}  finished {status['finished']}")
+    for m in status["members"]:
+        print(f"  {m['member']:<28} {m['state']:<8} step {m['step']:<7} heartbeat {m['heartbeat_age']:.1f} s ago" + (f"  ({m['reason']})" if m["reason"] else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unbroken", description="PyTorch data-parallel training that survives failed nodes.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level of unbroken itself (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    c = sub.add_parser("coordinator", help="run a coordinator alone, for jobs that span several nodes")
+    c.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
+    c.add_argument("--port", type=int, default=29400, help="HTTP port (default %(default)s)")
+    c.add_argument("--store-port", type=int, default=0, help="TCPStore port (default 0: any free)")
+    c.add_argument("--advertise-host", default=None, help="host name members use for the store (default: this host's name)")
+    c.add_argument("--expected-members", type=int, default=1, help="members the first generation waits for (default 1)")
+    c.add_argument("--heartbeat-timeout", type=float, default=5.0, help="silence that declares a member dead (default 5)")
+    c.add_argument("--run-dir", default=None, help="write the event log here")
+    s = sub.add_parser("status", help="show a coordinator's generation and members")
+    s.add_argument("address", help="HOST:PORT of the coordinator")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--timeout", type=float, default=5.0, help="give up after this many seconds (default 5)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "coordinator" and args.advertise_host is None and args.host == "0.0.0.0":
+        import socket
+
+        args.advertise_host = socket.gethostname()
+    handlers = {"run": _run, "coordinator": _coordinator, "status": _status}
+    try:
+        return handlers[args.command](args)
+    except (UnbrokenError, ValueError) as exc:
+        print(f"unbroken: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

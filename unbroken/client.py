@@ -1,0 +1,130 @@
+"""A small synchronous client of the coordinator's HTTP API, and the heartbeat thread.
+
+Workers and launchers use plain ``http.client`` (one keep-alive connection per thread) so that the
+worker's import stays light and no event loop runs inside the training process.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from unbroken.errors import CoordinatorUnreachable
+
+log = logging.getLogger(__name__)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``http://HOST:PORT``) into its parts, with a clear error."""
+    text = address.removeprefix("http://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"coordinator address must look like HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+class CoordinatorClient:
+    """JSON requests to one coordinator; retries connection failures up to ``timeout`` seconds."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        self.host, self.port = parse_address(address)
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def _connection(self, read_timeout: float) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=read_timeout)
+            self._local.conn = conn
+        conn.timeout = read_timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(read_timeout)
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None, read_timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout
+        delay = 0.02
+        last: Exception | None = None
+        payload = json.dumps(body or {}).encode()
+        while True:
+            try:
+                conn = self._connection(read_timeout)
+                conn.request(method, path, body=payload if method == "POST" else None, headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                data = response.read()
+                if response.status != 200:
+                    raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
+                return json.loads(data)
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()
+                last = exc
+            if time.monotonic() >= deadline:
+                raise CoordinatorUnreachable(
+                    f"coordinator at {self.host}:{self.port} did not answer {path} for {self.timeout:.0f} s ({last})"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def post(self, path: str, read_timeout: float = 10.0, **body: Any) -> dict[str, Any]:
+        return self.request("POST", path, body, read_timeout)
+
+    def status(self) -> dict[str, Any]:
+        return self.request("GET", "/v1/status")
+
+
+class Heartbeat:
+    """Heartbeats the coordinator from a thread of its own and keeps the latest view.
+
+    Each heartbeat is a long poll: the coordinator answers at once when the member's view changes
+    (its generation broke, someone waits to join) and otherwise after ``interval`` seconds, so
+    verdicts arrive in milliseconds while idle traffic stays at one request per interval.
+    ``on_change`` is called (from the heartbeat thread) with every new view.
+    """
+
+    def __init__(self, client: CoordinatorClient, member: str, interval: float, on_change: Callable[[dict[str, Any]], None]) -> None:
+        self.client = client
+        self.member = member
+        self.interval = interval
+        self.on_change = on_change
+        self.step = 0
+        self.view: dict[str, Any] = {}
+        self.last_reply = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                view = self.client.post(
+                    "/v1/heartbeat",
+                    read_timeout=self.interval + 10.0,
+                    member=self.member,
+                    step=self.step,
+                    seen=self.view,
+                    hold=self.interval,
+                )
+            except Exception as exc:  # the lease check in the runtime decides what this means
+                log.debug("heartbeat failed: %s", exc)
+                self._stop.wait(self.interval)
+                continue
+            self.last_reply = time.monotonic()
+            if view != self.view:
+                self.view = view
+                self.on_change(view)

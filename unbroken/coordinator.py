@@ -1,0 +1,331 @@
+"""The coordinator: membership, generations and failure verdicts, served over HTTP.
+
+It also hosts the torch ``TCPStore`` on which every generation's process group rendezvous (under
+the generation's prefix), so the store outlives any member. One coordinator per job: embedded in
+the launcher by default, or alone as ``unbroken coordinator`` on a stable host.
+
+The API is JSON over HTTP (aiohttp). Requests that wait (``join``, ``heartbeat``) are long polls
+that return as soon as the answer changes, or after ``hold`` seconds with the current answer.
+
+==========================  ======================================================================
+``POST /v1/join``           ``{member, node, pid, step, after}``: wait for a generation newer than
+                            ``after`` that includes ``member``. Replies ``{status: "formed",
+                            generation, members, rank, prefix, store_host, store_port}``,
+                            ``{status: "wait"}`` (poll again) or ``{status: "finished"}``.
+``POST /v1/heartbeat``      ``{member, step, seen}``: records liveness; replies the member's view
+                            ``{generation, broken, reconfigure, state, finished}`` as soon as it
+                            differs from ``seen``.
+``POST /v1/failure``        ``{member, generation, error}``: a collective of that generation failed.
+``POST /v1/exit``           ``{member, exitcode, reason}``: a launcher saw a worker process exit.
+``POST /v1/leave``          ``{member, finished, step}``: a member left (``finished``: job done).
+``GET /v1/status``          generation, members with state, step and heartbeat age, finished.
+==========================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.errors import ConfigError
+from unbroken.membership import Membership, MembershipSettings, MemberState
+from unbroken.telemetry import EventLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """Where the coordinator listens and how long its long polls hold."""
+
+    host: str = "127.0.0.1"
+    """Address to bind (use 0.0.0.0 to serve other hosts)."""
+    port: int = 0
+    """HTTP port; 0 picks a free one."""
+    store_port: int = 0
+    """Port of the TCPStore for process groups; 0 picks a free one."""
+    advertise_host: str | None = None
+    """Host name members use to reach the store; defaults to ``host`` (or this host's name)."""
+    hold: float = 2.0
+    """Longest time a long poll (join, heartbeat) is held before it is answered anyway."""
+    check_interval: float = 0.1
+    """How often heartbeat deadlines are checked."""
+
+
+class Coordinator:
+    """Serves the membership API and hosts the TCPStore. Start with :meth:`start_in_thread`
+    (embedded) or :meth:`serve_forever` (standalone)."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        membership: MembershipSettings,
+        events: EventLog | None = None,
+    ) -> None:
+        self.settings = settings
+        self.state = Membership(membership)
+        self.events = events or EventLog(None, "coordinator")
+        self.port: int | None = None
+        self.store_port: int | None = None
+        self._store = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self._runner = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _start_store(self) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        try:
+            self._store = dist.TCPStore(
+                self.settings.host if self.settings.host != "0.0.0.0" else "0.0.0.0",
+                self.settings.store_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=30),
+            )
+        except Exception as exc:  # torch raises a bare RuntimeError/DistNetworkError
+            raise ConfigError(
+                f"cannot start the process-group store on {self.settings.host}:{self.settings.store_port}"
+                f" ({exc}); choose another --store-port, or 0 for any free port"
+            ) from None
+        self.store_port = self._store.port
+
+    async def _start_http(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        app.add_routes(
+            [
+                web.post("/v1/join", self._join),
+                web.post("/v1/heartbeat", self._heartbeat),
+                web.post("/v1/failure", self._failure),
+                web.post("/v1/exit", self._exit),
+                web.post("/v1/leave", self._leave),
+                web.get("/v1/status", self._status),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=False)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"coordinator port {self.settings.port} on {self.settings.host} is already in use;"
+                    " choose another with --coordinator-port, or 0 for any free port"
+                ) from None
+            raise ConfigError(f"cannot listen on {self.settings.host}:{self.settings.port}: {exc}") from None
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._changed = asyncio.Event()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_deadlines())
+        self.events.emit("coordinator_start", port=self.port, store_port=self.store_port)
+        log.info("coordinator listening on %s:%s, store on port %s", self.settings.host, self.port, self.store_port)
+
+    def start_in_thread(self) -> "Coordinator":
+        """Start the store and the HTTP server on a daemon thread; returns once listening."""
+        self._start_store()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._start_http())
+            except BaseException as exc:  # reported to the starting thread
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_until_complete(self._wait_stopped())
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="unbroken-coordinator", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self
+
+    async def _wait_stopped(self) -> None:
+        while not self._stopped.is_set():
+            await asyncio.sleep(0.05)
+        self._watcher.cancel()
+
+    def serve_forever(self) -> None:
+        """Run in the calling thread until :meth:`stop` (or Ctrl-C)."""
+        self._start_store()
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            await self._start_http()
+            await self._wait_stopped()
+            await self._runner.cleanup()
+
+        asyncio.run(main())
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    # -- state changes -------------------------------------------------------------------------
+
+    def _bump(self) -> None:
+        """Form a generation if the rules allow, then wake every long poll."""
+        generation, decision = self.state.maybe_form(time.monotonic())
+        if generation is not None:
+            log.info("generation %d formed: %s (%s)", generation.number, ", ".join(generation.members), decision.reason)
+            self.events.emit(
+                "generation", generation=generation.number, members=list(generation.members), reason=decision.reason
+            )
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, timeout: float) -> None:
+        assert self._changed is not None
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _watch_deadlines(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.check_interval)
+            now = time.monotonic()
+            dead = self.state.expire(now)
+            for member_id in dead:
+                reason = self.state.members[member_id].death_reason
+                log.warning("member %s declared dead: %s", member_id, reason)
+                self.events.emit("verdict", member=member_id, detected_by="heartbeat", reason=reason)
+            if dead or (self.state.current is None and self.state.first_wait is not None):
+                self._bump()
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    async def _json(self, request) -> dict[str, Any]:
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("member", ""), str):
+            from aiohttp import web
+
+            raise web.HTTPBadRequest(text="expected a JSON object with a string 'member'")
+        return body
+
+    def _reply(self, payload: dict[str, Any]):
+        from aiohttp import web
+
+        return web.json_response(payload)
+
+    async def _join(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        after = int(body.get("after", 0))
+        if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic()):
+            self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
+            self._bump()
+        deadline = time.monotonic() + self.settings.hold
+        while True:
+            current = self.state.current
+            member = self.state.members[member_id]
+            if current is not None and current.number > after and member_id in current.members and member.state is MemberState.ACTIVE:
+                return self._reply(
+                    {
+                        "status": "formed",
+                        "generation": current.number,
+                        "members": list(current.members),
+                        "rank": current.members.index(member_id),
+                        "prefix": current.prefix,
+                        "store_host": self.settings.advertise_host or self.settings.host,
+                        "store_port": self.store_port,
+                    }
+                )
+            if self.state.finished:
+                return self._reply({"status": "finished"})
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self._reply({"status": "wait"})
+            await self._wait_change(remaining)
+
+    async def _heartbeat(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        seen = body.get("seen") or {}
+        deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
+        self.state.heartbeat(member_id, body.get("step"), time.monotonic())
+        while True:
+            view = self.state.view_for(member_id)
+            remaining = deadline - time.monotonic()
+            if view != seen or remaining <= 0:
+                return self._reply(view)
+            await self._wait_change(remaining)
+
+    async def _failure(self, request):
+        body = await self._json(request)
+        generation = int(body.get("generation", 0))
+        if self.state.report_failure(body["member"], generation, time.monotonic()):
+            log.warning("generation %d broken: %s reported %s", generation, body["member"], body.get("error"))
+            self.events.emit("failure", member=body["member"], generation=generation, detected_by="collective", error=body.get("error"))
+            self._bump()
+        return self._reply({"ok": True})
+
+    async def _exit(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        reason = str(body.get("reason", "exited"))
+        if self.state.mark_dead(member_id, reason, time.monotonic()):
+            log.warning("member %s exited: %s", member_id, reason)
+            self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason)
+        self._bump()
+        return self._reply({"ok": True})
+
+    async def _leave(self, request):
+        body = await self._json(request)
+        if self.state.leave(body["member"], bool(body.get("finished")), int(body.get("step", 0)), time.monotonic()):
+            if body.get("finished"):
+                self.events.emit("finished", member=body["member"], step=int(body.get("step", 0)))
+            self._bump()
+        return self._reply({"ok": True})
+
+    async def _status(self, request):
+        now = time.monotonic()
+        current = self.state.current
+        return self._reply(
+            {
+                "generation": current.number if current else 0,
+                "generation_members": list(current.members) if current else [],
+                "broken": self.state.view_for("")["broken"],
+                "finished": self.state.finished,
+                "committed_step": self.state.committed_step(),
+                "live": self.state.live_count(),
+                "members": [
+                    {
+                        "member": m.id,
+                        "node": m.node,
+                        "state": m.state.value,
+                        "step": m.step,
+                        "heartbeat_age": round(now - m.last_heartbeat, 3),
+                        "reason": m.death_reason,
+                    }
+                    for m in self.state.members.values()
+                ],
+            }
+        )

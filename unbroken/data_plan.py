@@ -1,0 +1,78 @@
+"""The data plan: which sample indices a member processes in a step.
+
+The global batch of step ``s`` is the positions ``[s*G, (s+1)*G)`` of an endless stream made of
+one seeded permutation of the data set per epoch. The member at index ``i`` of ``n`` takes a
+contiguous share of that batch (share sizes differ by at most one) and splits it into
+micro-batches no larger than the configured size. Everything here is a pure function of
+``(seed, step, member index, member count)``, so any member, in any generation, computes the
+same plan and a redone step processes exactly the samples of the failed attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from unbroken.errors import ConfigError
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """The sample stream of one job: data set length, global batch size, micro-batch size, seed."""
+
+    dataset_len: int
+    global_batch_size: int
+    micro_batch_size: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("dataset length", self.dataset_len)
+        _positive_int("global_batch_size", self.global_batch_size)
+        _positive_int("micro_batch_size", self.micro_batch_size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+
+    def share(self, step: int, index: int, count: int) -> range:
+        """Stream positions of ``step`` that member ``index`` of ``count`` processes."""
+        if count <= 0 or not 0 <= index < count:
+            raise ValueError(f"member index {index} is not in a generation of {count}")
+        g = self.global_batch_size
+        base, extra = divmod(g, count)
+        start = index * base + min(index, extra)
+        size = base + (1 if index < extra else 0)
+        first = step * g
+        return range(first + start, first + start + size)
+
+    def micro_batches(self, step: int, index: int, count: int) -> list[range]:
+        """The member's share of ``step`` cut into micro-batches of at most the configured size."""
+        share = self.share(step, index, count)
+        m = self.micro_batch_size
+        return [share[i : i + m] for i in range(0, len(share), m)]
+
+    def indices(self, positions: range) -> torch.Tensor:
+        """Data set indices of consecutive stream positions (they may span epochs)."""
+        n = self.dataset_len
+        parts = []
+        pos = positions.start
+        while pos < positions.stop:
+            epoch, offset = divmod(pos, n)
+            take = min(positions.stop - pos, n - offset)
+            parts.append(_permutation(self.seed, epoch, n)[offset : offset + take])
+            pos += take
+        if not parts:
+            return torch.empty(0, dtype=torch.long)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+@lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.randperm(n, generator=generator)

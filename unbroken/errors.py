@@ -1,0 +1,35 @@
+"""The exceptions unbroken raises, one small hierarchy per part.
+
+User mistakes are ``ValueError``/``TypeError`` subclasses so that ordinary code catches them;
+failures of the machinery derive from :class:`UnbrokenError`.
+"""
+
+from __future__ import annotations
+
+
+class UnbrokenError(Exception):
+    """Base class of every failure that unbroken itself reports."""
+
+
+class ConfigError(UnbrokenError, ValueError):
+    """A setting or argument is invalid; the message says which and what to do."""
+
+
+class CoordinatorUnreachable(UnbrokenError):
+    """The coordinator did not answer within the configured timeout."""
+
+
+class GenerationFailed(UnbrokenError):
+    """A collective of the current generation failed or was abandoned; the step is redone."""
+
+
+class JobFinished(UnbrokenError):
+    """The job already finished: there is nothing left for a joining member to do."""
+
+
+class ReplicaDivergence(UnbrokenError):
+    """Members hold different parameters after a commit: an invariant was broken."""
+
+
+class LaunchError(UnbrokenError):
+    """The launcher cannot start or keep the job running; the message is the one-line reason."""

@@ -1,0 +1,181 @@
+"""Bucketed gradient allreduce, overlapped with the last micro-batch's backward.
+
+Parameters are grouped into buckets (by dtype, in reverse registration order, which is roughly
+the order autograd produces their gradients). During the backward of a step's last micro-batch a
+hook notes each parameter whose gradient is final; a bucket whose parameters are all final is
+copied into its flat buffer and its allreduce starts at once, while autograd keeps working on the
+rest. Buckets always start in index order, so every member issues the same collectives in the
+same order whatever its share of the batch (an empty share launches them all at the end).
+
+Each bucket also carries one presence slot per parameter, so a gradient that no member produced
+stays ``None`` as it would in a single process, and bucket 0 carries the step's control slots
+(the reconfigure flag and the share-weighted loss), summed over members for free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from unbroken.group import GenerationGroup
+
+CONTROL_SLOTS = 2  # [members asking to reconfigure, weighted loss sum]
+
+
+@dataclass
+class Bucket:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    numel: int
+    flat: torch.Tensor
+    ready: int = 0
+    work: Any = None
+    launched: bool = False
+    control: bool = False
+    extra: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.extra = len(self.params) + (CONTROL_SLOTS if self.control else 0)
+
+    def pack(self) -> None:
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            view = self.flat[off : off + p.numel()]
+            if p.grad is None:
+                view.zero_()
+                self.flat[self.numel + i] = 0
+            else:
+                view.copy_(p.grad.reshape(-1))
+                self.flat[self.numel + i] = 1
+
+    def unpack(self) -> None:
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            if self.flat[self.numel + i] == 0:
+                p.grad = None
+                continue
+            view = self.flat[off : off + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+
+class GradientReducer:
+    """Owns the buckets and the hooks; one per Job, reused across generations."""
+
+    def __init__(self, params: list[torch.nn.Parameter], bucket_cap_bytes: int) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        self._group: GenerationGroup | None = None
+        self._armed = False
+        self._next = 0
+        self.error: Exception | None = None
+        self._build(bucket_cap_bytes)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _build(self, cap: int) -> None:
+        pending: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        sizes: dict[torch.dtype, int] = {}
+
+        def close(dtype: torch.dtype) -> None:
+            params = pending.pop(dtype, [])
+            sizes.pop(dtype, None)
+            if params:
+                offsets, total = [], 0
+                for p in params:
+                    offsets.append(total)
+                    total += p.numel()
+                control = not self.buckets
+                extra = len(params) + (CONTROL_SLOTS if control else 0)
+                flat = torch.zeros(total + extra, dtype=dtype, device=params[0].device)
+                bucket = Bucket(params, offsets, total, flat, control=control)
+                self.buckets.append(bucket)
+                for p in params:
+                    self._bucket_of[id(p)] = bucket
+
+        for p in reversed(self.params):
+            pending.setdefault(p.dtype, []).append(p)
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+            if sizes[p.dtype] >= cap:
+                close(p.dtype)
+        for dtype in list(pending):
+            close(dtype)
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def arm(self, group: GenerationGroup, reconfigure: bool, weighted_loss: torch.Tensor | None) -> None:
+        """Start reducing buckets as their gradients become final (call before the last backward)."""
+        self._group = group
+        self._armed = True
+        self._next = 0
+        self.error = None
+        for bucket in self.buckets:
+            bucket.ready = 0
+            bucket.work = None
+            bucket.launched = False
+        control = self.buckets[0].flat if self.buckets else None
+        if control is not None:
+            base = self.buckets[0].numel + len(self.buckets[0].params)
+            control[base] = 1.0 if reconfigure else 0.0
+            if weighted_loss is not None:
+                control[base + 1].copy_(weighted_loss.detach().reshape(()))
+            else:
+                control[base + 1] = 0.0
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not force and bucket.ready < len(bucket.params):
+                return
+            self._next += 1
+            if self.error is not None:
+                continue
+            bucket.pack()
+            try:
+                bucket.work = self._group.pg.allreduce([bucket.flat])  # type: ignore[union-attr]
+                bucket.launched = True
+            except Exception as exc:  # the group is broken: finish() reports it
+                self.error = exc
+
+    def finish(self, in_flight: Callable[[], None] | None = None) -> tuple[float, float]:
+        """Launch what is left, wait for every bucket and write the sums back into ``.grad``.
+
+        ``in_flight`` is called once every bucket was sent and before any wait (a fault point).
+        Returns the summed control slots (members asking to reconfigure, global mean loss).
+        Raises :class:`~unbroken.errors.GenerationFailed` if any allreduce fails or is abandoned;
+        the gradients are then left unreduced and must not be applied.
+        """
+        from unbroken.errors import GenerationFailed
+
+        assert self._group is not None
+        self._launch_ready(force=True)
+        self._armed = False
+        if self.error is not None:
+            raise GenerationFailed(f"generation {self._group.number}: gradient allreduce failed to start: {self.error}")
+        if in_flight is not None:
+            in_flight()
+        for i, bucket in enumerate(self.buckets):
+            self._group.wait(bucket.work, f"gradient allreduce (bucket {i})")
+        for bucket in self.buckets:
+            bucket.unpack()
+        if not self.buckets:
+            return 0.0, 0.0
+        first = self.buckets[0]
+        base = first.numel + len(first.params)
+        return float(first.flat[base]), float(first.flat[base + 1])
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

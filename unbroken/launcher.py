@@ -1,0 +1,386 @@
+"""The launcher (node agent): ``unbroken run``.
+
+It starts the coordinator (unless one is given), starts the local workers, watches them, tells the
+coordinator about every exit at once, restarts a worker that crashed (with backoff, up to
+``max_restarts`` times each), forwards Ctrl-C and SIGTERM as a clean shutdown, and writes each
+worker's output to ``<run dir>/workers/w<local rank>.log``. The console shows one worker's output
+(the lowest local rank alive, or the one chosen with ``--tee``), prefixed with its name.
+
+Worker lifecycle::
+
+    STARTING/RUNNING --exit 0--> SUCCEEDED
+    RUNNING --crash--> BACKOFF --delay--> RUNNING (restart count + 1)
+    RUNNING --crash, restarts used up--> FAILED
+    RUNNING --shutdown--> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+from unbroken.errors import ConfigError, LaunchError, UnbrokenError
+from unbroken.telemetry import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState(enum.Enum):
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Everything ``unbroken run`` needs; the CLI flags map one to one onto these fields."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
+    """Worker processes on this node."""
+    max_restarts: int = 3
+    """Restarts allowed per worker after a crash."""
+    restart_backoff: float = 0.1
+    """Delay before the first restart of a worker; doubles with each further restart."""
+    max_restart_backoff: float = 10.0
+    """Upper bound of the restart delay."""
+    run_dir: str | None = None
+    """Where logs and events go (default: ``unbroken-runs/<time>-<pid>``)."""
+    coordinator: str | None = None
+    """``HOST:PORT`` of an external coordinator; None starts one inside the launcher."""
+    coordinator_host: str = "127.0.0.1"
+    """Address the embedded coordinator binds."""
+    coordinator_port: int = 0
+    """Port of the embedded coordinator (0: any free port)."""
+    node: str = field(default_factory=socket.gethostname)
+    """Name of this node in member ids."""
+    heartbeat_interval: float = 0.5
+    """Seconds between a worker's heartbeats."""
+    heartbeat_timeout: float = 5.0
+    """Seconds of silence after which the coordinator declares a worker dead."""
+    collective_timeout: float = 30.0
+    """Longest wait of one collective when no verdict ends it sooner."""
+    shutdown_grace: float = 5.0
+    """Seconds workers get to exit after SIGTERM before SIGKILL."""
+    tee: int | None = None
+    """Local rank whose output the console shows (default: the lowest one alive)."""
+    chaos: str | None = None
+    """Fault schedule for the workers (see ``unbroken.chaos``)."""
+    record_samples: bool = False
+    """Workers log the stream positions of every step attempt (for exactly-once checks)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc_per_node, bool) or not isinstance(self.nproc_per_node, int) or self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node!r}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise ConfigError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+        if self.heartbeat_timeout >= self.collective_timeout:
+            raise ConfigError("need --heartbeat-timeout < --collective-timeout")
+        if self.tee is not None and not 0 <= self.tee < self.nproc_per_node:
+            raise ConfigError(f"--tee must name a local rank in 0..{self.nproc_per_node - 1}, got {self.tee}")
+        if not os.path.isfile(self.script):
+            raise ConfigError(f"training script not found: {self.script!r}")
+        if self.chaos:
+            from unbroken.chaos import parse
+
+            parse(self.chaos)
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    state: WorkerState = WorkerState.RUNNING
+    restarts: int = 0
+    proc: subprocess.Popen | None = None
+    member_id: str = ""
+    started_at: float = 0.0
+    restart_at: float = 0.0
+    exits: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Launcher:
+    """Runs one node of a job; :meth:`run` returns the process exit code."""
+
+    def __init__(self, settings: LaunchSettings) -> None:
+        self.settings = settings
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = os.path.abspath(settings.run_dir or os.path.join("unbroken-runs", f"{stamp}-{os.getpid()}"))
+        os.makedirs(os.path.join(self.run_dir, "workers"), exist_ok=True)
+        self.events = EventLog.for_run_dir(self.run_dir, f"launcher:{settings.node}")
+        self.workers = [Worker(i) for i in range(settings.nproc_per_node)]
+        self.coordinator: Any = None
+        self.address = settings.coordinator
+        self._exits: queue.Queue[tuple[Worker, subprocess.Popen, int]] = queue.Queue()
+        self._stop_signal: int | None = None
+        self._console_lock = threading.Lock()
+        self._error_exits: dict[int, int] = {}
+        self.reason = ""
+
+    # -- main loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        from unbroken.client import CoordinatorClient
+
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start_coordinator()
+            self.client = CoordinatorClient(self.address, timeout=30.0)
+            self._say(f"run directory {self.run_dir}, coordinator {self.address}, {len(self.workers)} worker(s)")
+            for worker in self.workers:
+                self._spawn(worker)
+            code = self._supervise()
+        except UnbrokenError as exc:
+            self.reason = str(exc)
+            code = 1
+        finally:
+            self._shutdown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self._write_summary()
+            if self.coordinator is not None:
+                self.coordinator.stop()
+        if code != 0 and self.reason:
+            print(f"unbroken: {self.reason}", file=sys.stderr, flush=True)
+        return code
+
+    def _start_coordinator(self) -> None:
+        if self.address is not None:
+            return
+        from unbroken.coordinator import Coordinator, CoordinatorSettings
+        from unbroken.membership import MembershipSettings
+
+        self.coordinator = Coordinator(
+            CoordinatorSettings(host=self.settings.coordinator_host, port=self.settings.coordinator_port),
+            MembershipSettings(heartbeat_timeout=self.settings.heartbeat_timeout, expected_members=len(self.workers)),
+            EventLog.for_run_dir(self.run_dir, "coordinator"),
+        ).start_in_thread()
+        self.address = self.coordinator.address
+
+    def _supervise(self) -> int:
+        while True:
+            if self._stop_signal is not None:
+                self.reason = f"stopped by {signal.Signals(self._stop_signal).name}"
+                return 130 if self._stop_signal == signal.SIGINT else 143
+            try:
+                worker, proc, code = self._exits.get(timeout=0.05)
+            except queue.Empty:
+                worker = None
+            if worker is not None:
+                verdict = self._on_exit(worker, proc, code)
+                if verdict is not None:
+                    return verdict
+            now = time.monotonic()
+            for w in self.workers:
+                if w.state is WorkerState.BACKOFF and now >= w.restart_at:
+                    self._spawn(w)
+            if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED) for w in self.workers):
+                return self._final_code()
+
+    def _final_code(self) -> int:
+        finished = self._job_finished()
+        if finished and any(w.state is WorkerState.SUCCEEDED for w in self.workers):
+            self._say("training finished")
+            return 0
+        failed = [w for w in self.workers if w.state is WorkerState.FAILED]
+        if failed:
+            last = failed[-1]
+            self.reason = (
+                f"no workers left: worker {last.local_rank} {last.exits[-1]['how']} and used its"
+                f" {self.settings.max_restarts} restart(s){self._log_tail(last)}"
+            )
+        else:
+            self.reason = "workers exited before the job finished"
+        return 1
+
+    def _job_finished(self) -> bool:
+        try:
+            return bool(self.client.status().get("finished"))
+        except UnbrokenError:
+            return False
+
+    def _on_exit(self, worker: Worker, proc: subprocess.Popen, code: int) -> int | None:
+        if proc is not worker.proc:
+            return None
+        how = _describe_exit(code)
+        worker.exits.append({"member": worker.member_id, "code": code, "how": how, "t": time.time()})
+        self.events.emit("worker_exit", member=worker.member_id, local_rank=worker.local_rank, code=code, how=how)
+        if self._stop_signal is not None:
+            worker.state = WorkerState.STOPPED
+            return None
+        if code == 0:
+            worker.state = WorkerState.SUCCEEDED
+            return None
+        try:
+            self.client.post("/v1/exit", member=worker.member_id, exitcode=code, reason=how)
+            status = self.client.status()
+        except UnbrokenError:
+            status = {}
+        if status.get("finished"):
+            worker.state = WorkerState.FAILED
+            return None
+        self._say(f"worker {worker.local_rank} ({worker.member_id}) {how}")
+        if code > 0:
+            # A script's own bug raises on every member: when every worker has failed with an error
+            # and no step was committed in between, restarting would only repeat it.
+            step = int(status.get("committed_step", -1))
+            self._error_exits = {r: s for r, s in self._error_exits.items() if s == step}
+            self._error_exits[worker.local_rank] = step
+            if len(self._error_exits) == len(self.workers):
+                self.reason = f"every worker failed with an error at the same point (worker {worker.local_rank}: {how}); not retrying a bug in the script{self._log_tail(worker)}"
+                return 1
+        if worker.restarts >= self.settings.max_restarts:
+            worker.state = WorkerState.FAILED
+            self._say(f"worker {worker.local_rank} used its {self.settings.max_restarts} restart(s); not restarting")
+            return None
+        delay = min(self.settings.restart_backoff * (2**worker.restarts), self.settings.max_restart_backoff)
+        worker.state = WorkerState.BACKOFF
+        worker.restart_at = time.monotonic() + delay
+        worker.restarts += 1
+        return None
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def _spawn(self, worker: Worker) -> None:
+        s = self.settings
+        worker.member_id = f"{s.node}.w{worker.local_rank}.r{worker.restarts}"
+        env = dict(os.environ)
+        env.update(
+            {
+                "UNBROKEN_COORDINATOR": self.address,
+                "UNBROKEN_MEMBER_ID": worker.member_id,
+                "UNBROKEN_NODE": s.node,
+                "UNBROKEN_RUN_DIR": self.run_dir,
+                "UNBROKEN_RESTART_COUNT": str(worker.restarts),
+                "UNBROKEN_HEARTBEAT_INTERVAL": str(s.heartbeat_interval),
+                "UNBROKEN_COLLECTIVE_TIMEOUT": str(s.collective_timeout),
+                "LOCAL_RANK": str(worker.local_rank),
+                "LOCAL_WORLD_SIZE": str(len(self.workers)),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if s.chaos:
+            env["UNBROKEN_CHAOS"] = s.chaos
+        if s.record_samples:
+            env["UNBROKEN_RECORD_SAMPLES"] = "1"
+        log_path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")
+        logfile = open(log_path, "ab", buffering=0)
+        logfile.write(f"===== {worker.member_id} starting =====\n".encode())
+        proc = subprocess.Popen(
+            [sys.executable, s.script, *s.script_args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        worker.proc = proc
+        worker.state = WorkerState.RUNNING
+        worker.started_at = time.monotonic()
+        self.events.emit("worker_start", member=worker.member_id, local_rank=worker.local_rank, pid=proc.pid, restart=worker.restarts)
+        if worker.restarts:
+            self.events.emit("restart", member=worker.member_id, local_rank=worker.local_rank, restart=worker.restarts)
+        threading.Thread(target=self._pump, args=(worker, proc, logfile), daemon=True).start()
+
+    def _pump(self, worker: Worker, proc: subprocess.Popen, logfile: IO[bytes]) -> None:
+        """Copy a worker's output to its log (and the console), then report its exit."""
+        assert proc.stdout is not None
+        for line in iter(proc.stdout.readline, b""):
+            logfile.write(line)
+            if self._console_rank() == worker.local_rank:
+                with self._console_lock:
+                    sys.stdout.write(f"[w{worker.local_rank}] {line.decode(errors='replace')}")
+                    sys.stdout.flush()
+        code = proc.wait()
+        logfile.close()
+        self._exits.put((worker, proc, code))
+
+    def _console_rank(self) -> int | None:
+        if self.settings.tee is not None:
+            return self.settings.tee
+        for w in self.workers:
+            if w.state is WorkerState.RUNNING and w.proc is not None and w.proc.poll() is None:
+                return w.local_rank
+        return None
+
+    def _log_tail(self, worker: Worker, lines: int = 3) -> str:
+        path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 4096))
+                tail = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()][-lines:]
+        except OSError:
+            return ""
+        return ("; its log ends with: " + " | ".join(t.strip() for t in tail)) if tail else ""
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signum
+
+    def _shutdown(self) -> None:
+        """Stop every worker still running: SIGTERM, then SIGKILL after the grace period."""
+        running = [w.proc for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        for proc in running:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_grace
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in running:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        for w in self.workers:
+            if w.proc is not None:
+                # Children the script started in its own session die with it.
+                _signal_group(w.proc, signal.SIGKILL)
+
+    def _say(self, message: str) -> None:
+        with self._console_lock:
+            print(f"[unbroken] {message}", flush=True)
+
+    def _write_summary(self) -> None:
+        summary = {
+            "run_dir": self.run_dir,
+            "coordinator": self.address,
+            "reason": self.reason,
+            "workers": [
+                {"local_rank": w.local_rank, "state": w.state.value, "restarts": w.restarts, "exits": w.exits}
+                for w in self.workers
+            ],
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.settings).items()},
+        }
+        with open(os.path.join(self.run_dir, "launcher.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,602 @@
+"""The worker runtime: the training-loop API that a user's script calls.
+
+::
+
+    job = unbroken.Job(model, optimizer, dataset, global_batch_size=256, micro_batch_size=64)
+    for step in job.steps(total=500):
+        for x, y in step.micro_batches():
+            step.backward(loss_fn(model(x), y))
+        step.commit()
+
+Under ``unbroken run`` each step follows the protocol of DESIGN.md: the member learns its
+generation from the coordinator (joining and healing when it changed), processes its share of
+the step's fixed global batch, allreduces share-weighted gradients in buckets overlapped with
+backward, and then either commits (optimizer step) or, if the allreduce failed, leaves its
+parameters untouched and redoes the step in the next generation. Run as a plain single process
+(no coordinator in the environment) the same script trains on the whole global batch, which is
+the reference every distributed run must match.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator
+
+import torch
+
+from unbroken import healing
+from unbroken.chaos import Chaos
+from unbroken.data_plan import DataPlan
+from unbroken.errors import ConfigError, GenerationFailed, ReplicaDivergence, UnbrokenError
+from unbroken.telemetry import RUN_DIR_ENV, EventLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How a worker talks to its job. Explicit arguments beat ``UNBROKEN_*`` variables beat defaults."""
+
+    coordinator: str | None = None
+    """``HOST:PORT`` of the coordinator (``UNBROKEN_COORDINATOR``); None runs a single process."""
+    member_id: str | None = None
+    """This process's name in the job (``UNBROKEN_MEMBER_ID``); defaults to host-pid."""
+    node: str = ""
+    """Name of this node (``UNBROKEN_NODE``)."""
+    run_dir: str | None = None
+    """Where events and logs go (``UNBROKEN_RUN_DIR``)."""
+    heartbeat_interval: float = 0.5
+    """Seconds between heartbeats (``UNBROKEN_HEARTBEAT_INTERVAL``)."""
+    collective_timeout: float = 30.0
+    """Longest wait for one collective or connect (``UNBROKEN_COLLECTIVE_TIMEOUT``); a verdict
+    from the coordinator usually ends a failed wait long before."""
+    coordinator_timeout: float = 60.0
+    """How long an unreachable coordinator is retried before giving up (``UNBROKEN_COORDINATOR_TIMEOUT``)."""
+    join_timeout: float = 600.0
+    """Longest wait for a generation to form (``UNBROKEN_JOIN_TIMEOUT``)."""
+    bucket_cap_mb: float = 25.0
+    """Size of a gradient allreduce bucket in MB (``UNBROKEN_BUCKET_CAP_MB``)."""
+    record_samples: bool = False
+    """Log the stream positions of every step attempt to ``<run dir>/samples`` (``UNBROKEN_RECORD_SAMPLES``)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval < self.collective_timeout:
+            raise ConfigError("need 0 < heartbeat_interval < collective_timeout")
+        for name in ("coordinator_timeout", "join_timeout", "bucket_cap_mb"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, **explicit: Any) -> "RuntimeSettings":
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"UNBROKEN_{f.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            if f.type in ("float",):
+                values[f.name] = float(raw)
+            elif f.type in ("bool",):
+                values[f.name] = raw.lower() in ("1", "true", "yes")
+            else:
+                values[f.name] = raw
+        values.update({k: v for k, v in explicit.items() if v is not None})
+        return cls(**values)
+
+
+def _check_dataset(dataset: Any) -> int:
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError(
+            f"dataset must support len() and indexing (a map-style torch Dataset), got {type(dataset).__name__};"
+            " an iterable-only dataset has no fixed order to split among members"
+        )
+    try:
+        length = len(dataset)
+    except TypeError as exc:
+        raise ConfigError(f"dataset must support len(): {exc}") from None
+    if length <= 0:
+        raise ConfigError("dataset is empty")
+    return length
+
+
+class Step:
+    """One training step: its micro-batches, its backward, its reduce and its commit."""
+
+    def __init__(self, job: "Job", index: int) -> None:
+        self.job = job
+        self.index = index
+        self.generation = job.generation
+        self.rank = job.member_index
+        self.members = job.member_count
+        self.positions = job.plan.share(index, self.rank, self.members)
+        self._micro = job.plan.micro_batches(index, self.rank, self.members)
+        self._backwards = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._armed = False
+        self._reduced: bool | None = None
+        self.reconfigure = False
+        self.loss: float | None = None
+        self.committed = False
+        self.failed = False
+        self.error: Exception | None = None
+        self.started = time.monotonic()
+
+    @property
+    def samples(self) -> int:
+        """Samples this member processes in this step (its share)."""
+        return len(self.positions)
+
+    def micro_batches(self) -> Iterator[Any]:
+        """This member's share of the step's global batch, in micro-batches."""
+        for positions in self._micro:
+            yield self.job._batch(positions)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate a micro-batch's mean loss, weighted by its share of the global batch."""
+        if self._backwards >= len(self._micro):
+            raise RuntimeError(f"step {self.index}: backward called more times than there are micro-batches ({len(self._micro)})")
+        weight = len(self._micro[self._backwards]) / self.job.plan.global_batch_size
+        self._backwards += 1
+        weighted = loss * weight
+        detached = weighted.detach()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        if self._backwards == len(self._micro):
+            self._arm()
+        weighted.backward()
+
+    def _arm(self) -> None:
+        job = self.job
+        if job._reducer is None or self._armed:
+            return
+        self._armed = True
+        job._record_attempt(self)
+        job._reducer.arm(job._group, job._reconfigure_wanted(), self._loss_sum)
+
+    def reduce(self) -> bool:
+        """Allreduce the gradients; afterwards ``.grad`` holds the global-batch gradient on every member.
+
+        Returns False if a peer failed: the gradients are then zeroed and the step will be
+        redone by the next generation, so skip straight to the next iteration.
+        """
+        if self._reduced is not None:
+            return self._reduced
+        job = self.job
+        if job._reducer is None:
+            self.loss = float(self._loss_sum) if self._loss_sum is not None else 0.0
+            self._reduced = True
+            return True
+        try:
+            self._arm()
+            flag, loss = job._reducer.finish(lambda: job._chaos.point("allreduce", self.index))
+            self.reconfigure = flag > 0
+            self.loss = loss
+            self._reduced = True
+        except GenerationFailed as exc:
+            job._reducer.disarm()
+            self.failed, self.error, self._reduced = True, exc, False
+            job.optimizer.zero_grad(set_to_none=True)
+        return self._reduced
+
+    def commit(self) -> bool:
+        """Reduce if not done yet, then apply the optimizer (and scheduler). True if committed."""
+        if self.committed:
+            return True
+        if not self.reduce():
+            return False
+        job = self.job
+        if job._reducer is not None:
+            job._chaos.point("commit", self.index)
+            reason = job._abandon_reason(self.generation, for_commit=True)
+            if reason:
+                self.failed, self.error = True, GenerationFailed(f"step {self.index} not committed: {reason}")
+                job.optimizer.zero_grad(set_to_none=True)
+                return False
+        job.optimizer.step()
+        if job.scheduler is not None:
+            job.scheduler.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        job._committed(self)
+        self.committed = True
+        return True
+
+
+class Job:
+    """A training job whose steps survive the loss of members.
+
+    Args:
+        model: the module to train; every member builds the same architecture.
+        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        dataset: a map-style data set (``len()`` and indexing).
+        global_batch_size: samples per step over all members, fixed whatever the member count.
+        micro_batch_size: largest batch one forward/backward sees (default: the global batch).
+        seed: seeds the sample order (one permutation per epoch).
+        scheduler: an optional learning-rate scheduler, stepped after each commit.
+        collate_fn: turns a list of samples into a batch (default: ``default_collate``).
+        extra_state: any object with ``state_dict``/``load_state_dict`` healed with the model.
+        settings: runtime settings (default: from the environment ``unbroken run`` sets).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        seed: int = 0,
+        scheduler: Any = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        extra_state: Any = None,
+        settings: RuntimeSettings | None = None,
+    ) -> None:
+        self.plan = DataPlan(
+            _check_dataset(dataset),
+            global_batch_size,
+            global_batch_size if micro_batch_size is None else micro_batch_size,
+            seed,
+        )
+        self.model = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.scheduler = scheduler
+        self.extra_state = extra_state
+        self.collate_fn = collate_fn
+        self.settings = settings or RuntimeSettings.from_env()
+        self.distributed = self.settings.coordinator is not None
+        self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.next_step = 0
+        self.lineage: list[int] = []
+        self.fresh = True
+        self.generation = 0
+        self.member_index = 0
+        self.member_count = 1
+        self.replica_hash: str | None = None
+        self.total: int | None = None
+        self._group: Any = None
+        self._graveyard: list[Any] = []
+        self._wake = threading.Event()
+        self._client: Any = None
+        self._heartbeat: Any = None
+        self._store: Any = None
+        self._sample_fd: int | None = None
+        self._chaos = Chaos.from_env()
+        run_dir = self.settings.run_dir or os.environ.get(RUN_DIR_ENV)
+        self.run_dir = run_dir
+        self._events = EventLog.for_run_dir(run_dir if self.distributed else None, f"worker:{self.member_id}")
+        self._reducer = None
+        if self.distributed:
+            from unbroken.gradients import GradientReducer
+
+            params = [p for p in model.parameters() if p.requires_grad]
+            if not params:
+                raise ConfigError("the model has no parameters that require gradients")
+            self._reducer = GradientReducer(params, int(self.settings.bucket_cap_mb * (1 << 20)))
+
+    # -- what the script sees ------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the member at index 0 of the current generation (and in a single process)."""
+        return self.member_index == 0
+
+    def steps(self, total: int) -> Iterator[Step]:
+        """Yield steps ``next_step .. total-1``; each must end in :meth:`Step.commit` (done for you
+        if the loop body does not). A step whose allreduce failed is yielded again."""
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ConfigError(f"total must be a non-negative integer number of steps, got {total!r}")
+        self.total = total
+        if not self.distributed:
+            while self.next_step < total:
+                step = Step(self, self.next_step)
+                yield step
+                step.commit()
+            return
+        finished = False
+        self._start()
+        try:
+            while True:
+                if self._group is None:
+                    if not self._join():
+                        finished = True
+                        break
+                    continue
+                if self.next_step >= total:
+                    if self._final_check():
+                        finished = True
+                        break
+                    continue
+                reason = self._abandon_reason(self.generation)
+                if reason:
+                    self._abandon(reason)
+                    continue
+                self._chaos.point("step", self.next_step)
+                step = Step(self, self.next_step)
+                yield step
+                if not step.committed and not step.failed:
+                    step.commit()
+                if step.failed:
+                    self._abandon(str(step.error))
+                elif step.reconfigure:
+                    self._close_group()
+        finally:
+            self._stop(finished)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def _batch(self, positions: range) -> Any:
+        indices = self.plan.indices(positions)
+        dataset = self.dataset
+        if self.collate_fn is None and isinstance(dataset, torch.utils.data.TensorDataset):
+            return tuple(t[indices] for t in dataset.tensors)
+        items = [dataset[i] for i in indices.tolist()]
+        if self.collate_fn is not None:
+            return self.collate_fn(items)
+        return torch.utils.data.default_collate(items)
+
+    def _record_attempt(self, step: Step) -> None:
+        if self._sample_fd is None:
+            return
+        line = f'{{"g":{step.generation},"s":{step.index},"r":{step.rank},"n":{step.members},"a":{step.positions.start},"b":{step.positions.stop}}}\n'
+        os.write(self._sample_fd, line.encode())
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from unbroken.client import CoordinatorClient, Heartbeat
+
+        assert self.settings.coordinator is not None
+        self._client = CoordinatorClient(self.settings.coordinator, self.settings.coordinator_timeout)
+        self._heartbeat = Heartbeat(self._client, self.member_id, self.settings.heartbeat_interval, self._on_view).start()
+        if self.settings.record_samples and self.run_dir:
+            path = os.path.join(self.run_dir, "samples", f"{self.member_id}.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._sample_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        _ExitGuard.install(self)
+
+    def _on_view(self, view: dict[str, Any]) -> None:
+        self._wake.set()
+
+    def _reconfigure_wanted(self) -> bool:
+        view = self._heartbeat.view if self._heartbeat else {}
+        return bool(view.get("reconfigure")) and view.get("generation") == self.generation
+
+    def _abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
+        view = self._heartbeat.view if self._heartbeat else {}
+        if view.get("state") == "dead":
+            return "the coordinator declared this member dead"
+        current = view.get("generation", 0)
+        if current > number:
+            return f"generation {current} has formed"
+        if current == number and view.get("broken") and not for_commit:
+            return "a member of this generation failed"
+        return None
+
+    def _join(self) -> bool:
+        from unbroken.group import GenerationGroup
+
+        deadline = time.monotonic() + self.settings.join_timeout
+        while True:
+            reply = self._client.post(
+                "/v1/join",
+                read_timeout=30.0,
+                member=self.member_id,
+                node=self.settings.node,
+                pid=os.getpid(),
+                step=self.next_step,
+                after=self.generation,
+            )
+            if reply["status"] == "finished":
+                log.info("%s: the job has finished; nothing to join", self.member_id)
+                return False
+            if reply["status"] != "formed":
+                if time.monotonic() > deadline:
+                    raise UnbrokenError(
+                        f"no generation formed within join_timeout={self.settings.join_timeout:.0f} s; is the coordinator"
+                        " waiting for more members (--min-members)?"
+                    )
+                continue
+            number = reply["generation"]
+            self.generation = number
+            group = GenerationGroup(
+                number,
+                reply["rank"],
+                len(reply["members"]),
+                reply["members"],
+                abandoned=lambda n=number: self._abandon_reason(n),
+                wake=self._wake,
+                timeout=self.settings.collective_timeout,
+            )
+            try:
+                group.connect(self._store_for(reply["store_host"], reply["store_port"]), reply["prefix"], reply["store_host"])
+                self._heal(group)
+            except GenerationFailed as exc:
+                self._report_failure(number, str(exc))
+                self._graveyard.append(group)
+                continue
+            self._group = group
+            self.member_index, self.member_count = group.rank, group.size
+            log.info("%s: generation %d, member %d of %d, at step %d", self.member_id, number, group.rank, group.size, self.next_step)
+            return True
+
+    def _store_for(self, host: str, port: int) -> Any:
+        if self._store is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.settings.collective_timeout))
+        return self._store
+
+    def _heal(self, group: Any) -> None:
+        table = group.allgather_rows(torch.tensor([self.next_step, int(self.fresh)], dtype=torch.int64), "state exchange")
+        statuses = [(int(step), bool(fresh)) for step, fresh in table.tolist()]
+        plan = healing.plan(statuses)
+        if not plan.receivers:
+            return
+        started = time.monotonic()
+        if group.rank == plan.source:
+            payload = healing.serialize(self._state())
+            for receiver in plan.receivers:
+                healing.send_state(group, payload, receiver, lambda: self._chaos.point("heal", self.next_step))
+            self.fresh = False
+            self._events.emit(
+                "heal",
+                generation=group.number,
+                source=self.member_id,
+                receivers=[group.members[r] for r in plan.receivers],
+                step=plan.step,
+                bytes=payload.numel(),
+                seconds=time.monotonic() - started,
+            )
+        elif group.rank in plan.receivers:
+            payload = healing.recv_state(group, plan.source)
+            self._load(healing.deserialize(payload))
+            self.fresh = False
+            log.info("%s: healed to step %d from %s (%d bytes)", self.member_id, self.next_step, group.members[plan.source], payload.numel())
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
+            "runtime": {"next_step": self.next_step, "lineage": list(self.lineage)},
+            "plan": {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len},
+            "rng": healing.rng_state(),
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        mine = {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len}
+        if state["plan"] != mine:
+            raise ConfigError(f"members disagree on the data plan: peer has {state['plan']}, this member {mine}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.extra_state is not None and state["extra"] is not None:
+            self.extra_state.load_state_dict(state["extra"])
+        self.next_step = state["runtime"]["next_step"]
+        self.lineage = list(state["runtime"]["lineage"])
+        healing.set_rng_state(state["rng"])
+        if self._heartbeat is not None:
+            self._heartbeat.step = self.next_step
+
+    def _committed(self, step: Step) -> None:
+        self.next_step = step.index + 1
+        self.lineage.append(step.generation)
+        self.fresh = False
+        if self._heartbeat is not None:
+            self._heartbeat.step = self.next_step
+        if self._events.enabled and self.member_index == 0:
+            self._events.emit(
+                "step",
+                step=step.index,
+                generation=step.generation,
+                members=step.members,
+                seconds=time.monotonic() - step.started,
+                loss=step.loss,
+            )
+
+    def _report_failure(self, number: int, error: str) -> None:
+        log.warning("%s: generation %d failed: %s", self.member_id, number, error)
+        try:
+            self._client.post("/v1/failure", member=self.member_id, generation=number, error=error[:500])
+        except UnbrokenError as exc:
+            log.warning("could not report the failure: %s", exc)
+
+    def _abandon(self, reason: str) -> None:
+        if self._group is not None:
+            self._report_failure(self._group.number, reason)
+            self._graveyard.append(self._group)
+            self._group = None
+
+    def _close_group(self) -> None:
+        """Leave a healthy generation at a step boundary (someone waits to join)."""
+        if self._group is not None:
+            self._group.pg = None  # nothing is pending on it: safe to destroy
+            self._group = None
+
+    def _final_check(self) -> bool:
+        """Exchange a hash of the parameters and buffers; all members must agree."""
+        digest = hashlib.sha256()
+        for name, tensor in self.model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        row = torch.tensor(list(digest.digest()), dtype=torch.int64)
+        try:
+            table = self._group.allgather_rows(row, "replica check")
+        except GenerationFailed as exc:
+            self._abandon(str(exc))
+            return False
+        hashes = {bytes(r).hex() for r in table.tolist()}
+        if len(hashes) != 1:
+            raise ReplicaDivergence(f"members hold different parameters after step {self.next_step}: {sorted(hashes)}")
+        self.replica_hash = digest.hexdigest()
+        self._events.emit("replicas", generation=self.generation, members=self.member_count, hash=self.replica_hash, step=self.next_step)
+        log.info("%s: %d replicas identical at step %d (sha256 %s)", self.member_id, self.member_count, self.next_step, self.replica_hash[:16])
+        return True
+
+    def _stop(self, finished: bool) -> None:
+        if self.settings.record_samples and self.run_dir and finished:
+            import json
+
+            path = os.path.join(self.run_dir, "samples", f"{self.member_id}.lineage.json")
+            with open(path, "w") as f:
+                json.dump({"lineage": self.lineage, "hash": self.replica_hash, "next_step": self.next_step}, f)
+        if self._client is not None:
+            try:
+                self._client.post("/v1/leave", member=self.member_id, finished=finished, step=self.next_step)
+            except UnbrokenError as exc:
+                log.warning("could not tell the coordinator that this member leaves: %s", exc)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._sample_fd is not None:
+            os.close(self._sample_fd)
+            self._sample_fd = None
+        self._close_group()
+        _ExitGuard.finished = finished
+
+
+class _ExitGuard:
+    """Keeps an abandoned Gloo group from turning a finished run into a crash at exit.
+
+    A group abandoned while a peer hung may still hold pending work; destroying it at interpreter
+    exit can abort the process. If any such group exists at exit, the process ends with
+    ``os._exit`` after flushing, with status 1 if an exception escaped, else 0.
+    """
+
+    jobs: list[Job] = []
+    finished = False
+    crashed = False
+    _installed = False
+
+    @classmethod
+    def install(cls, job: Job) -> None:
+        cls.jobs.append(job)
+        if cls._installed:
+            return
+        cls._installed = True
+        previous = sys.excepthook
+
+        def hook(*args: Any) -> None:
+            cls.crashed = True
+            previous(*args)
+
+        sys.excepthook = hook
+        atexit.register(cls._at_exit)
+
+    @classmethod
+    def _at_exit(cls) -> None:
+        if any(job._graveyard for job in cls.jobs):
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1 if cls.crashed else 0)
