@@ -1,8 +1,9 @@
 """Deterministic fault injection, shared by tests, benchmarks and demos.
 
 A schedule is a ``;``-separated list of faults ``KIND@POINT[,key=value...]``, read from the
-``UNBROKEN_CHAOS`` environment variable by every worker. Each fault fires at most once per
-process, the first time its point is reached with all its conditions true.
+``UNBROKEN_CHAOS`` environment variable by every worker. Each fault fires once per job (a marker
+file in the run directory decides which process gets it), the first time a process reaches its
+point with all its conditions true.
 
 Kinds: ``kill`` (SIGKILL this process), ``hang`` (SIGSTOP this process).
 Points: ``step`` (start of a step), ``allreduce`` (right after the first gradient bucket was sent),
@@ -58,8 +59,9 @@ def parse(schedule: str) -> list[Fault]:
 class Chaos:
     """The faults that apply to this process."""
 
-    def __init__(self, faults: list[Fault], local_rank: int, restart: int) -> None:
-        self.faults = [f for f in faults if (f.rank is None or f.rank == local_rank) and f.restart == restart]
+    def __init__(self, faults: list[Fault], local_rank: int, restart: int, run_dir: str | None = None) -> None:
+        self.faults = [(i, f) for i, f in enumerate(faults) if (f.rank is None or f.rank == local_rank) and f.restart == restart]
+        self.run_dir = run_dir
 
     @classmethod
     def from_env(cls) -> "Chaos":
@@ -67,10 +69,25 @@ class Chaos:
             parse(os.environ.get(ENV, "")),
             int(os.environ.get("LOCAL_RANK", "0")),
             int(os.environ.get("UNBROKEN_RESTART_COUNT", "0")),
+            os.environ.get("UNBROKEN_RUN_DIR"),
         )
 
+    def _claim(self, index: int) -> bool:
+        """True if this process is the first in the job to reach fault ``index``."""
+        if self.run_dir is None:
+            return True
+        folder = os.path.join(self.run_dir, "chaos")
+        os.makedirs(folder, exist_ok=True)
+        try:
+            os.close(os.open(os.path.join(folder, f"fault-{index}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
     def point(self, name: str, step: int) -> None:
-        for fault in self.faults:
+        for index, fault in self.faults:
             if not fault.fired and fault.point == name and step >= fault.step:
                 fault.fired = True
+                if not self._claim(index):
+                    continue
                 os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)

@@ -394,6 +394,13 @@ class Job:
                 after=self.generation,
             )
             if reply["status"] == "finished":
+                if self.fresh and self.next_step == 0:
+                    # A restarted or late member that never trained: the job ended while it was
+                    # starting. End the process quietly rather than let the script go on with an
+                    # untrained model as if it had trained.
+                    print(f"unbroken: {self.member_id}: the job finished before this member could join; exiting", file=sys.stderr, flush=True)
+                    self._stop(finished=False)
+                    raise SystemExit(0)
                 log.info("%s: the job has finished; nothing to join", self.member_id)
                 return False
             if reply["status"] != "formed":

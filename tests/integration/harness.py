@@ -1,0 +1,141 @@
+"""Running real jobs from tests: bounded, and leaving no process behind whatever happens."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+EXACT = os.path.join(SCRIPTS, "train_exact.py")
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+    run_dir: str
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        path = os.path.join(self.run_dir, "events.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            events = [json.loads(line) for line in f]
+        return [e for e in events if kind is None or e["kind"] == kind]
+
+    def summary(self) -> dict[str, Any]:
+        with open(os.path.join(self.run_dir, "launcher.json")) as f:
+            return json.load(f)
+
+
+def kill_leftovers(run_dir: str) -> list[int]:
+    """SIGKILL the process group of every worker the run started that is still alive."""
+    killed = []
+    for event in Run(0, "", "", run_dir).events("worker_start"):
+        pid = event["pid"]
+        try:
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
+
+
+def alive_workers(run_dir: str) -> list[int]:
+    alive = []
+    for event in Run(0, "", "", run_dir).events("worker_start"):
+        try:
+            os.killpg(event["pid"], 0)
+            alive.append(event["pid"])
+        except (ProcessLookupError, PermissionError):
+            pass
+    return alive
+
+
+def unbroken(run_dir: str, *args: str, timeout: float = 180.0) -> Run:
+    """``unbroken run --run-dir RUN_DIR ARGS...``; fails the test if it outlives ``timeout``."""
+    return command(["run", "--run-dir", run_dir, *args], run_dir, timeout)
+
+
+def command(argv: list[str], run_dir: str | None, timeout: float) -> Run:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unbroken", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"unbroken {' '.join(argv)} did not end within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        if run_dir is not None:
+            kill_leftovers(run_dir)
+    return Run(proc.returncode, out, err, run_dir or "")
+
+
+def single_process(out_dir: str, *args: str, timeout: float = 120.0) -> dict[str, torch.Tensor]:
+    """The reference: the same script as a plain process, no launcher."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    subprocess.run([sys.executable, EXACT, "--out", out_dir, *args], check=True, timeout=timeout, env=env, capture_output=True)
+    return torch.load(os.path.join(out_dir, "single.pt"))
+
+
+def final_params(out_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    return {os.path.basename(p)[:-3]: torch.load(p) for p in sorted(glob.glob(os.path.join(out_dir, "*.pt")))}
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key in a:
+        scale = max(a[key].abs().max().item(), 1e-300)
+        worst = max(worst, (a[key] - b[key]).abs().max().item() / scale)
+    return worst
+
+
+def check_exactly_once(run_dir: str, steps: int, global_batch_size: int) -> dict[str, Any]:
+    """Every stream position of steps [0, steps) was applied in exactly one committed step.
+
+    The lineage (the generation that committed each step, carried in the healed state) comes from
+    the members that finished; the positions each member processed in each attempt come from the
+    sample logs. The committed attempt of step s is generation lineage[s]: its members' shares
+    must cover [s*G, (s+1)*G) exactly once.
+    """
+    lineages = []
+    for path in glob.glob(os.path.join(run_dir, "samples", "*.lineage.json")):
+        with open(path) as f:
+            lineages.append(json.load(f)["lineage"])
+    assert lineages, "no member finished with a lineage"
+    assert all(l == lineages[0] for l in lineages), "finished members disagree on which generation committed each step"
+    lineage = lineages[0]
+    assert len(lineage) == steps, f"{len(lineage)} steps committed, expected {steps}"
+    attempts: dict[tuple[int, int], list[dict[str, int]]] = {}
+    for path in glob.glob(os.path.join(run_dir, "samples", "*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                attempts.setdefault((record["g"], record["s"]), []).append(record)
+    for step, generation in enumerate(lineage):
+        records = attempts.get((generation, step), [])
+        covered: list[int] = []
+        for record in records:
+            covered.extend(range(record["a"], record["b"]))
+        expected = list(range(step * global_batch_size, (step + 1) * global_batch_size))
+        assert sorted(covered) == expected, f"step {step} (generation {generation}): positions {sorted(covered)[:8]}... != {expected[:8]}..."
+        assert len(records) == records[0]["n"], f"step {step}: {len(records)} shares logged for {records[0]['n']} members"
+    redone = sum(1 for (g, s) in attempts if lineage[s] != g) if lineage else 0
+    return {"generations": sorted(set(lineage)), "redone_attempts": redone}

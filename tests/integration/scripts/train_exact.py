@@ -1,0 +1,72 @@
+"""A deterministic float64 training script for the invariant tests.
+
+No randomness in the forward pass, AdamW with a learning-rate schedule and clipping by global
+norm. Writes the final parameters to ``--out/<member>.pt`` so that runs can be compared.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import unbroken
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--global-batch-size", type=int, default=24)
+parser.add_argument("--micro-batch-size", type=int, default=4)
+parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step, standing in for compute")
+parser.add_argument("--out", default=None)
+parser.add_argument("--raise-at-step", type=int, default=None, help="raise an error at this step on every member")
+parser.add_argument("--bad-dataset", action="store_true", help="pass a dataset without __len__")
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+torch.manual_seed(1234)
+torch.set_default_dtype(torch.float64)
+
+n = 200
+x = torch.randn(n, 6)
+y = torch.sin(x @ torch.randn(6, 2))
+dataset = torch.utils.data.TensorDataset(x, y)
+if args.bad_dataset:
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    dataset = Stream()
+
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
+
+job = unbroken.Job(
+    model,
+    optimizer,
+    dataset,
+    global_batch_size=args.global_batch_size,
+    micro_batch_size=args.micro_batch_size,
+    seed=7,
+    scheduler=scheduler,
+)
+for step in job.steps(total=args.steps):
+    if args.raise_at_step is not None and step.index == args.raise_at_step:
+        raise RuntimeError(f"deliberate failure at step {step.index}")
+    for xb, yb in step.micro_batches():
+        step.backward(torch.nn.functional.mse_loss(model(xb), yb))
+    if not step.reduce():
+        continue
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    step.commit()
+    print(f"step {step.index} loss {step.loss:.6f} members {step.members}", flush=True)
+    if args.step_delay:
+        time.sleep(args.step_delay)
+
+if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    name = os.environ.get("UNBROKEN_MEMBER_ID", "single")
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out, f"{name}.pt"))
+print("done", file=sys.stderr)

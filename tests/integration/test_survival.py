@@ -1,0 +1,82 @@
+"""A killed worker: the others go on, it rejoins healed, and nothing is lost or repeated."""
+
+import pytest
+
+from tests.integration import harness
+from tests.integration.conftest import GLOBAL, STEPS
+
+pytestmark = pytest.mark.slow
+
+
+def run_with_faults(tmp_path, chaos, delay="0.1", max_restarts="3"):
+    run_dir = str(tmp_path / "run")
+    run = harness.unbroken(
+        run_dir,
+        "--nproc-per-node", "4",
+        "--max-restarts", max_restarts,
+        "--record-samples",
+        "--chaos", chaos,
+        harness.EXACT, "--steps", str(STEPS), "--step-delay", delay, "--out", f"{run_dir}/final",
+    )
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert harness.alive_workers(run_dir) == []
+    return run
+
+
+def check_same_model_and_replicas(run, reference):
+    finals = harness.final_params(f"{run.run_dir}/final")
+    assert finals, "no member wrote its final parameters"
+    for member, params in finals.items():
+        assert harness.max_relative_difference(params, reference["healthy"]) < 1e-8, member
+        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
+    hashes = {e["hash"] for e in run.events("replicas")}
+    checked = {e["source"] for e in run.events("replicas")}
+    assert len(hashes) == 1 and len(checked) == len(finals)
+
+
+def test_failure_free_run_matches_a_single_process_and_applies_every_sample_once(reference):
+    run = reference["healthy_run"]
+    assert harness.max_relative_difference(reference["healthy"], reference["single"]) < 1e-8
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    assert [e["members"] for e in run.events("generation")] == [[f"{m}" for m in run.events("generation")[0]["members"]]]
+
+
+def test_a_killed_worker_is_restarted_and_healed_while_the_others_keep_running(tmp_path, reference):
+    run = run_with_faults(tmp_path, "kill@step,rank=1,step=10")
+    workers = {w["local_rank"]: w for w in run.summary()["workers"]}
+    assert workers[1]["restarts"] == 1
+    assert workers[1]["exits"][0]["how"] == "killed by SIGKILL"
+    for rank in (0, 2, 3):
+        assert workers[rank]["restarts"] == 0 and [e["code"] for e in workers[rank]["exits"]] == [0]
+    generations = run.events("generation")
+    assert len(generations[1]["members"]) == 3  # the survivors went on without it
+    rejoined = [e for e in run.events("heal") if any(".w1.r1" in r for r in e["receivers"])]
+    assert rejoined and rejoined[0]["step"] > 10  # healed from a live peer, mid-run
+    assert any(".w1.r1" in e["source"] for e in run.events("replicas"))
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    check_same_model_and_replicas(run, reference)
+
+
+@pytest.mark.parametrize(
+    "chaos",
+    [
+        "kill@allreduce,rank=2,step=5",
+        "kill@commit,rank=0,step=12",
+        "kill@step,rank=3,step=3;kill@heal,step=4",
+    ],
+    ids=["inside-allreduce", "after-allreduce-before-optimizer", "inside-healing-transfer"],
+)
+def test_every_sample_is_applied_exactly_once_whatever_the_kill_point(tmp_path, reference, chaos):
+    run = run_with_faults(tmp_path, chaos)
+    stats = harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    assert stats["redone_attempts"] >= 1 or "commit" in chaos
+    kills = sum(1 for w in run.summary()["workers"] for e in w["exits"] if e["how"] == "killed by SIGKILL")
+    assert kills == chaos.count("kill@")
+    check_same_model_and_replicas(run, reference)
+
+
+def test_two_kills_and_a_rejoin_end_with_the_same_model(tmp_path, reference):
+    run = run_with_faults(tmp_path, "kill@allreduce,rank=1,step=6;kill@step,rank=2,step=20")
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    check_same_model_and_replicas(run, reference)
+    assert sum(w["restarts"] for w in run.summary()["workers"]) == 2
