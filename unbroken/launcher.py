@@ -154,6 +154,9 @@ class Launcher:
             for worker in self.workers:
                 self._spawn(worker)
             code = self._supervise()
+        except ConfigError as exc:
+            self.reason = str(exc)
+            code = 2
         except UnbrokenError as exc:
             self.reason = str(exc)
             code = 1
