@@ -40,7 +40,7 @@ def test_invalid_job_settings_stop_the_run_with_the_reason(tmp_path, args, messa
     assert run.code == 1
     assert message in run.stderr
     assert "not retrying a bug in the script" in run.stderr
-    assert starts(run) <= 4  # at most one early restart before every worker has failed
+    assert starts(run) < 2 * 2  # at most one early restart before every worker has failed
 
 
 def test_a_taken_coordinator_port_is_reported(tmp_path):
@@ -58,4 +58,5 @@ def test_a_script_that_raises_on_every_member_is_not_retried_forever(tmp_path):
     run = harness.unbroken(str(tmp_path), "--nproc-per-node", "3", "--max-restarts", "5", harness.EXACT, "--raise-at-step", "3", timeout=120)
     assert run.code == 1
     assert "deliberate failure at step 3" in run.stderr
-    assert starts(run) <= 4
+    # each worker may be restarted once before the last one fails too; never more
+    assert starts(run) < 2 * 3

@@ -1,0 +1,436 @@
+"""Membership: generations formed from (state, settings, now), driven with an explicit clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.membership import (
+    Decision,
+    Generation,
+    GenerationState,
+    Member,
+    Membership,
+    MembershipSettings,
+    MemberState,
+    decide,
+)
+
+FAST = settings(max_examples=150, deadline=None)
+
+
+def _membership(**overrides) -> Membership:
+    return Membership(MembershipSettings(**{"heartbeat_timeout": 5.0, "expected_members": 2, **overrides}))
+
+
+def _formed(m: Membership, *ids: str, now: float = 0.0) -> Generation:
+    for i, member_id in enumerate(ids):
+        m.join(member_id, "node", pid=100 + i, step=0, now=now)
+    generation, decision = m.maybe_form(now)
+    assert generation is not None, decision.reason
+    return generation
+
+
+# -- joining and the first generation --------------------------------------------------------------
+
+
+def test_the_first_generation_waits_for_the_expected_members_and_then_forms_in_join_order():
+    m = _membership(expected_members=3)
+    m.join("b", "n1", pid=1, step=0, now=1.0)
+    m.join("a", "n1", pid=2, step=0, now=2.0)
+    generation, decision = m.maybe_form(2.0)
+    assert generation is None
+    assert not decision.form
+    assert "2 of 3" in decision.reason
+    m.join("c", "n2", pid=3, step=0, now=3.0)
+    generation, decision = m.maybe_form(3.0)
+    assert generation == Generation(1, ("b", "a", "c"), formed_at=3.0)
+    assert generation.prefix == "unbroken/gen1/"
+    assert decision.form and decision.members == ("b", "a", "c")
+    assert all(m.members[i].state is MemberState.ACTIVE for i in "abc")
+    assert m.history == [generation]
+    assert not m.reconfigure_wanted()
+
+
+def test_start_grace_lets_the_first_generation_start_with_fewer_than_expected_members():
+    m = _membership(expected_members=3, start_grace=30.0)
+    m.join("a", "n", pid=1, step=0, now=10.0)
+    m.join("b", "n", pid=2, step=0, now=15.0)
+    assert m.maybe_form(39.9)[0] is None  # grace counts from the first join, at 10.0
+    generation, _ = m.maybe_form(40.0)
+    assert generation is not None
+    assert generation.members == ("a", "b")
+    assert generation.number == 1
+
+
+def test_start_grace_does_not_apply_once_a_generation_has_formed():
+    m = _membership(expected_members=2, start_grace=1000.0)
+    _formed(m, "a", "b")
+    m.mark_dead("b", "exit code 1", now=1.0)
+    m.join("a", "n", pid=1, step=3, now=1.0)
+    generation, _ = m.maybe_form(1.0)
+    assert generation is not None and generation.members == ("a",)
+    assert generation.number == 2
+
+
+def test_joining_twice_while_waiting_changes_nothing_but_the_heartbeat():
+    m = _membership()
+    assert m.join("a", "n", pid=1, step=0, now=1.0) is True
+    assert m.join("a", "n", pid=1, step=0, now=4.0) is False
+    assert m.members["a"].last_heartbeat == 4.0
+    assert m.members["a"].joined_at == 1.0
+    assert m.first_wait == 1.0
+
+
+def test_no_generation_is_formed_below_min_members():
+    m = _membership(expected_members=2, min_members=2)
+    _formed(m, "a", "b")
+    m.mark_dead("b", "exit code 1", now=1.0)
+    m.join("a", "n", pid=1, step=5, now=1.0)
+    generation, decision = m.maybe_form(100.0)
+    assert generation is None
+    assert "minimum is 2" in decision.reason
+    m.join("c", "n", pid=3, step=0, now=101.0)
+    generation, _ = m.maybe_form(101.0)
+    assert generation is not None and generation.members == ("a", "c")
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+def test_an_exit_report_breaks_the_generation_and_survivors_form_the_next_without_the_dead():
+    m = _membership(expected_members=3)
+    first = _formed(m, "a", "b", "c")
+    assert m.mark_dead("b", "killed by SIGKILL", now=5.0) is True
+    assert m.mark_dead("b", "killed by SIGKILL", now=5.1) is False  # reported twice: no change
+    assert m.generation_state is GenerationState.BROKEN
+    assert m.reconfigure_wanted()
+    view = m.view_for("a")
+    assert view == {"generation": 1, "broken": True, "reconfigure": True, "state": "active", "finished": False}
+    assert m.view_for("b")["state"] == "dead"
+    assert m.members["b"].death_reason == "killed by SIGKILL"
+    # Nothing forms while "c" is still in the broken generation.
+    m.join("c", "n", pid=3, step=7, now=5.2)
+    assert m.maybe_form(5.2)[0] is None
+    m.join("a", "n", pid=1, step=7, now=5.3)
+    second, _ = m.maybe_form(5.3)
+    assert second is not None
+    assert second.number == first.number + 1
+    assert second.members == ("a", "c")  # previous order, not join order
+    assert m.generation_state is GenerationState.ACTIVE
+    assert not m.view_for("a")["broken"]
+
+
+def test_a_dead_member_that_is_not_in_the_current_generation_does_not_break_it():
+    m = _membership()
+    _formed(m, "a", "b")
+    m.join("late", "n", pid=9, step=0, now=1.0)
+    assert m.mark_dead("late", "exit code 1", now=2.0) is True
+    assert m.generation_state is GenerationState.ACTIVE
+    assert not m.reconfigure_wanted()
+
+
+def test_an_exit_reported_before_the_member_ever_joined_is_remembered_as_dead():
+    m = _membership()
+    assert m.mark_dead("ghost", "exit code 1", now=1.0) is False
+    assert m.members["ghost"].state is MemberState.DEAD
+    assert m.live_count() == 0
+
+
+def test_heartbeat_expiry_declares_a_silent_member_dead_after_the_timeout():
+    m = _membership(heartbeat_timeout=5.0)
+    _formed(m, "a", "b", now=0.0)
+    m.heartbeat("a", step=1, now=4.0)
+    assert m.expire(5.0) == []  # b silent exactly the timeout: not yet
+    assert m.expire(5.5) == ["b"]
+    assert m.members["b"].state is MemberState.DEAD
+    assert "no heartbeat for 5.5 s" in m.members["b"].death_reason
+    assert m.members["a"].state is MemberState.ACTIVE
+    assert m.generation_state is GenerationState.BROKEN
+    assert m.expire(6.0) == []  # declared once
+    assert m.expire(9.5) == ["a"]
+
+
+def test_a_heartbeat_from_a_dead_member_does_not_revive_it_but_a_join_does():
+    m = _membership()
+    _formed(m, "a", "b")
+    m.mark_dead("b", "no heartbeat", now=6.0)
+    m.heartbeat("b", step=3, now=7.0)
+    assert m.members["b"].state is MemberState.DEAD
+    assert m.members["b"].step == 0
+    assert m.join("b", "n", pid=2, step=3, now=8.0) is True  # a member that woke up
+    assert m.members["b"].state is MemberState.WAITING
+    assert m.members["b"].death_reason is None
+    assert m.members["b"].step == 3
+
+
+def test_heartbeats_keep_the_highest_step_and_unknown_members_get_none():
+    m = _membership()
+    _formed(m, "a", "b")
+    m.heartbeat("a", step=4, now=1.0)
+    m.heartbeat("a", step=2, now=2.0)
+    m.heartbeat("a", step=None, now=3.0)
+    assert m.members["a"].step == 4
+    assert m.members["a"].last_heartbeat == 3.0
+    assert m.committed_step() == 4
+    assert m.heartbeat("nobody", step=1, now=3.0) is None
+
+
+def test_a_failure_report_breaks_only_the_current_generation_once():
+    m = _membership()
+    _formed(m, "a", "b")
+    assert m.report_failure("a", generation=0, now=1.0) is False
+    assert m.report_failure("a", generation=2, now=1.0) is False
+    assert m.generation_state is GenerationState.ACTIVE
+    assert m.report_failure("a", generation=1, now=1.0) is True
+    assert m.report_failure("b", generation=1, now=1.0) is False
+    assert m.generation_state is GenerationState.BROKEN
+
+
+# -- reconfiguration and leaving -------------------------------------------------------------------
+
+
+def test_a_newcomer_makes_the_current_members_reconfigure_and_is_appended_to_the_order():
+    m = _membership()
+    _formed(m, "b", "a")  # order of the first generation: join order b, a
+    assert m.current.members == ("b", "a")
+    assert not m.view_for("a")["reconfigure"]
+    m.join("c", "n2", pid=3, step=0, now=1.0)
+    assert m.reconfigure_wanted()
+    assert m.view_for("a")["reconfigure"] and m.view_for("b")["reconfigure"]
+    assert m.maybe_form(1.0)[0] is None  # a and b are still training
+    m.join("a", "n", pid=1, step=9, now=2.0)
+    assert m.maybe_form(2.0)[0] is None
+    m.join("b", "n", pid=2, step=9, now=2.0)
+    generation, _ = m.maybe_form(2.0)
+    assert generation is not None
+    assert generation.members == ("b", "a", "c")
+    assert not m.reconfigure_wanted()
+
+
+def test_leave_finished_ends_the_job_and_no_generation_forms_after():
+    m = _membership()
+    _formed(m, "a", "b")
+    assert m.leave("a", finished=True, step=10, now=1.0) is True
+    assert m.finished
+    assert m.generation_state is GenerationState.ACTIVE  # a finished member does not break it
+    assert m.members["a"].state is MemberState.LEFT
+    assert m.view_for("b")["finished"] is True
+    m.join("b", "n", pid=2, step=10, now=2.0)
+    m.join("late", "n", pid=3, step=0, now=2.0)
+    generation, decision = m.maybe_form(2.0)
+    assert generation is None
+    assert decision.reason == "job finished"
+    assert m.committed_step() == 10
+
+
+def test_leaving_without_finishing_breaks_the_generation():
+    m = _membership()
+    _formed(m, "a", "b")
+    assert m.leave("b", finished=False, step=3, now=1.0) is True
+    assert not m.finished
+    assert m.generation_state is GenerationState.BROKEN
+    assert m.leave("b", finished=False, step=3, now=1.0) is False
+    assert m.live_count() == 1
+
+
+class _Request:
+    def __init__(self, body: dict) -> None:
+        self._body = body
+
+    async def json(self) -> dict:
+        return self._body
+
+
+def _join_reply(coordinator, **body) -> dict:
+    async def run() -> dict:
+        coordinator._changed = asyncio.Event()
+        response = await coordinator._join(_Request(body))
+        return json.loads(response.text)
+
+    return asyncio.run(run())
+
+
+def test_join_replies_are_finished_after_a_member_leaves_finished():
+    from unbroken.coordinator import Coordinator, CoordinatorSettings
+
+    coordinator = Coordinator(CoordinatorSettings(hold=0.05), MembershipSettings(expected_members=2))
+    state = coordinator.state
+    _formed(state, "a", "b")
+    state.leave("a", finished=True, step=10, now=1.0)
+    assert _join_reply(coordinator, member="w.r1", node="n", pid=7, step=0, after=0) == {"status": "finished"}
+    assert _join_reply(coordinator, member="b", node="n", pid=2, step=10, after=1) == {"status": "finished"}
+
+
+def test_a_join_reply_before_the_job_finishes_names_the_generation_and_the_rank():
+    from unbroken.coordinator import Coordinator, CoordinatorSettings
+
+    coordinator = Coordinator(CoordinatorSettings(hold=0.05), MembershipSettings(expected_members=1))
+    reply = _join_reply(coordinator, member="a", node="n", pid=1, step=0, after=0)
+    assert reply["status"] == "formed"
+    assert (reply["generation"], reply["members"], reply["rank"], reply["prefix"]) == (1, ["a"], 0, "unbroken/gen1/")
+
+
+# -- decide: properties ----------------------------------------------------------------------------
+
+
+@st.composite
+def situations(draw):
+    n = draw(st.integers(0, 8))
+    ids = [f"m{i}" for i in range(n)]
+    members = {}
+    for member_id in ids:
+        joined = draw(st.integers(0, 20)) * 0.5  # ties in join time happen
+        state = draw(st.sampled_from(list(MemberState)))
+        members[member_id] = Member(member_id, "node", joined_at=joined, last_heartbeat=joined, state=state)
+    current = None
+    if draw(st.booleans()):
+        # The current generation may also name members the coordinator no longer knows.
+        pool = ids + ["gone0", "gone1"]
+        chosen = draw(st.lists(st.sampled_from(pool), unique=True, max_size=len(pool)))
+        current = Generation(draw(st.integers(1, 50)), tuple(chosen), formed_at=0.0)
+    rules = MembershipSettings(
+        heartbeat_timeout=5.0,
+        expected_members=draw(st.integers(1, 10)),
+        start_grace=draw(st.integers(0, 60)) * 1.0,
+        min_members=draw(st.integers(1, 5)),
+    )
+    first_wait = draw(st.none() | st.integers(0, 100).map(float))
+    now = draw(st.integers(0, 200)) * 1.0
+    if first_wait is not None:
+        now = max(now, first_wait)
+    return members, current, rules, first_wait, now
+
+
+def _waiting(members) -> list[str]:
+    return [m.id for m in members.values() if m.state is MemberState.WAITING]
+
+
+@FAST
+@given(situations())
+def test_decide_never_forms_while_any_live_member_is_active(situation):
+    members, current, rules, first_wait, now = situation
+    decision = decide(members, current, rules, first_wait, now)
+    if any(m.state is MemberState.ACTIVE for m in members.values()):
+        assert not decision.form
+    assert isinstance(decision, Decision) and decision.reason
+
+
+@FAST
+@given(situations())
+def test_decide_forms_with_exactly_the_waiting_members_and_never_below_min_members(situation):
+    members, current, rules, first_wait, now = situation
+    decision = decide(members, current, rules, first_wait, now)
+    if decision.form:
+        assert sorted(decision.members) == sorted(_waiting(members))
+        assert len(decision.members) >= rules.min_members
+        assert all(members[i].state is MemberState.WAITING for i in decision.members)
+    else:
+        assert decision.members == ()
+
+
+@FAST
+@given(situations())
+def test_decide_keeps_the_previous_order_and_appends_newcomers_by_join_time(situation):
+    members, current, rules, first_wait, now = situation
+    decision = decide(members, current, rules, first_wait, now)
+    if not decision.form:
+        return
+    previous = list(current.members) if current is not None else []
+    stayed = [i for i in previous if i in decision.members]
+    assert list(decision.members[: len(stayed)]) == stayed
+    newcomers = list(decision.members[len(stayed) :])
+    assert not set(newcomers) & set(previous)
+    assert newcomers == sorted(newcomers, key=lambda i: (members[i].joined_at, i))
+
+
+@FAST
+@given(situations())
+def test_decide_forms_the_first_generation_below_expected_only_after_start_grace(situation):
+    members, current, rules, first_wait, now = situation
+    decision = decide(members, None, rules, first_wait, now)
+    if decision.form and len(decision.members) < rules.expected_members:
+        assert first_wait is not None
+        assert now - first_wait >= rules.start_grace
+
+
+@FAST
+@given(situations())
+def test_decide_forms_whenever_nothing_stands_in_the_way(situation):
+    members, current, rules, first_wait, now = situation
+    waiting = _waiting(members)
+    blocked = (
+        not waiting
+        or any(m.state is MemberState.ACTIVE for m in members.values())
+        or len(waiting) < rules.min_members
+        or (
+            current is None
+            and len(waiting) < rules.expected_members
+            and (first_wait is None or now - first_wait < rules.start_grace)
+        )
+    )
+    assert decide(members, current, rules, first_wait, now).form is (not blocked)
+
+
+# -- Membership: random histories ------------------------------------------------------------------
+
+IDS = ["a", "b", "c", "d"]
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["join", "heartbeat", "dead", "leave", "fail", "expire"]),
+        st.sampled_from(IDS),
+        st.integers(0, 30),  # step
+        st.integers(0, 40),  # time advance, in tenths of a second
+    ),
+    max_size=40,
+)
+
+
+@FAST
+@given(ops=operations, expected=st.integers(1, 4), min_members=st.integers(1, 2))
+def test_random_histories_keep_generations_numbered_and_their_members_alive(ops, expected, min_members):
+    m = Membership(MembershipSettings(heartbeat_timeout=2.0, expected_members=expected, start_grace=3.0, min_members=min_members))
+    now = 0.0
+    for kind, member_id, step, advance in ops:
+        now += advance / 10
+        if kind == "join":
+            m.join(member_id, "n", pid=1, step=step, now=now)
+        elif kind == "heartbeat":
+            m.heartbeat(member_id, step, now)
+        elif kind == "dead":
+            m.mark_dead(member_id, "exit", now)
+        elif kind == "leave":
+            m.leave(member_id, finished=step == 0, step=step, now=now)
+        elif kind == "fail":
+            m.report_failure(member_id, m.current.number if m.current else 0, now)
+        else:
+            m.expire(now)
+        before = m.current
+        finished_before = m.finished
+        generation, decision = m.maybe_form(now)
+        if generation is not None:
+            assert not finished_before
+            assert generation.number == (before.number + 1 if before else 1)
+            assert len(generation.members) >= min_members
+            assert len(set(generation.members)) == len(generation.members)
+            assert m.generation_state is GenerationState.ACTIVE
+        # Every active member belongs to the current generation: no one trains in an old one.
+        active = {i for i, member in m.members.items() if member.state is MemberState.ACTIVE}
+        assert active <= set(m.current.members if m.current else ())
+    numbers = [g.number for g in m.history]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+@pytest.mark.parametrize("member_state", [MemberState.DEAD, MemberState.LEFT])
+def test_members_that_are_gone_count_neither_as_live_nor_as_waiting(member_state):
+    members = {
+        "a": Member("a", "n", joined_at=0.0, last_heartbeat=0.0, state=MemberState.WAITING),
+        "b": Member("b", "n", joined_at=0.0, last_heartbeat=0.0, state=member_state),
+    }
+    previous = Generation(3, ("b", "a"), formed_at=0.0)
+    decision = decide(members, previous, MembershipSettings(expected_members=2), first_wait=0.0, now=0.0)
+    assert decision == Decision(True, ("a",), reason="1 member(s) ready")
