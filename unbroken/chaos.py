@@ -49,9 +49,13 @@ def parse(schedule: str) -> list[Fault]:
         fault = Fault(kind, point)
         for item in filter(None, rest.split(",")):
             key, eq, value = item.partition("=")
-            if key not in ("rank", "step", "restart") or not eq or not value.lstrip("-").isdigit():
-                raise ConfigError(f"bad condition {item!r} in fault {part!r}: use rank=N, step=N or restart=N")
-            setattr(fault, key, int(value))
+            try:
+                number = int(value, 10) if value.isascii() else -1
+            except ValueError:
+                number = -1
+            if key not in ("rank", "step", "restart") or not eq or number < 0:
+                raise ConfigError(f"bad condition {item!r} in fault {part!r}: use rank=N, step=N or restart=N with N >= 0")
+            setattr(fault, key, number)
         faults.append(fault)
     return faults
 

@@ -69,7 +69,8 @@ class DataPlan:
             pos += take
         if not parts:
             return torch.empty(0, dtype=torch.long)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        # cat copies; a lone slice is cloned so that callers never share the cached permutation
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
 @lru_cache(maxsize=4)

@@ -64,7 +64,7 @@ class Bucket:
 class GradientReducer:
     """Owns the buckets and the hooks; one per Job, reused across generations."""
 
-    def __init__(self, params: list[torch.nn.Parameter], bucket_cap_bytes: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], bucket_cap_bytes: int, first_bucket_cap_bytes: int = 1 << 20) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -72,10 +72,12 @@ class GradientReducer:
         self._armed = False
         self._next = 0
         self.error: Exception | None = None
-        self._build(bucket_cap_bytes)
+        self._build(bucket_cap_bytes, first_bucket_cap_bytes)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-    def _build(self, cap: int) -> None:
+    def _build(self, cap: int, first_cap: int) -> None:
+        # Like DDP, the first bucket (the last layers' gradients, ready first) is small so that
+        # communication starts early in the backward.
         pending: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         sizes: dict[torch.dtype, int] = {}
 
@@ -98,7 +100,7 @@ class GradientReducer:
         for p in reversed(self.params):
             pending.setdefault(p.dtype, []).append(p)
             sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
-            if sizes[p.dtype] >= cap:
+            if sizes[p.dtype] >= (first_cap if not self.buckets else cap):
                 close(p.dtype)
         for dtype in list(pending):
             close(dtype)

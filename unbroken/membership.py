@@ -136,19 +136,15 @@ class Membership:
     # -- member requests ---------------------------------------------------------------------
 
     def join(self, member_id: str, node: str, pid: int | None, step: int, now: float) -> bool:
-        member = self.members.get(member_id)
-        if member is None:
-            member = Member(member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step)
-            self.members[member_id] = member
         if self.first_wait is None:
             self.first_wait = now
+        member = self.members.get(member_id)
+        if member is None:
+            self.members[member_id] = Member(member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step, waiting_since=now)
+            return True
         if member.state is MemberState.WAITING:
             member.last_heartbeat = now
             return False
-        if member.state is MemberState.ACTIVE and self.current is not None:
-            # A member of the current generation leaves it to join the next: the generation is
-            # over for everyone (they all come at the same step boundary or after a failure).
-            pass
         member.state = MemberState.WAITING
         member.waiting_since = now
         member.last_heartbeat = now

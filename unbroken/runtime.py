@@ -82,7 +82,10 @@ class RuntimeSettings:
             if raw is None or raw == "":
                 continue
             if f.type in ("float",):
-                values[f.name] = float(raw)
+                try:
+                    values[f.name] = float(raw)
+                except ValueError:
+                    raise ConfigError(f"UNBROKEN_{f.name.upper()}={raw!r} is not a number (setting {f.name})") from None
             elif f.type in ("bool",):
                 values[f.name] = raw.lower() in ("1", "true", "yes")
             else:
@@ -406,8 +409,8 @@ class Job:
             if reply["status"] != "formed":
                 if time.monotonic() > deadline:
                     raise UnbrokenError(
-                        f"no generation formed within join_timeout={self.settings.join_timeout:.0f} s; is the coordinator"
-                        " waiting for more members (--min-members)?"
+                        f"no generation formed within join_timeout={self.settings.join_timeout:.0f} s; the coordinator"
+                        " may be waiting for more members than have started (see `unbroken status HOST:PORT`)"
                     )
                 continue
             number = reply["generation"]

@@ -151,11 +151,6 @@ def test_an_empty_range_has_no_indices():
     assert indices.numel() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DataPlan.indices returns a view of the lru_cache'd permutation tensor when the range stays in one epoch;"
-    " a caller that modifies it in place changes every later plan of that (seed, epoch)",
-)
 def test_changing_returned_indices_in_place_does_not_change_later_plans():
     plan = DataPlan(10, 4, 2, seed=3)
     expected = plan.indices(range(0, 4)).tolist()

@@ -77,9 +77,17 @@ def test_start_grace_does_not_apply_once_a_generation_has_formed():
     assert generation.number == 2
 
 
-def test_joining_twice_while_waiting_changes_nothing_but_the_heartbeat():
+def test_the_first_join_of_a_new_member_is_a_change_of_state():
+    # Regression: a new Member starts WAITING, and join() once took that for "already waiting".
     m = _membership()
     assert m.join("a", "n", pid=1, step=0, now=1.0) is True
+    assert m.members["a"].waiting_since == 1.0
+
+
+def test_joining_twice_while_waiting_changes_nothing_but_the_heartbeat():
+    m = _membership()
+    m.join("a", "n", pid=1, step=0, now=1.0)
+    assert m.members["a"].state is MemberState.WAITING
     assert m.join("a", "n", pid=1, step=0, now=4.0) is False
     assert m.members["a"].last_heartbeat == 4.0
     assert m.members["a"].joined_at == 1.0
@@ -196,7 +204,9 @@ def test_a_failure_report_breaks_only_the_current_generation_once():
 
 def test_a_newcomer_makes_the_current_members_reconfigure_and_is_appended_to_the_order():
     m = _membership()
-    _formed(m, "b", "a")  # order of the first generation: join order b, a
+    m.join("b", "n", pid=2, step=0, now=0.0)
+    m.join("a", "n", pid=1, step=0, now=0.5)
+    assert m.maybe_form(0.5)[0] is not None  # order of the first generation: join order b, a
     assert m.current.members == ("b", "a")
     assert not m.view_for("a")["reconfigure"]
     m.join("c", "n2", pid=3, step=0, now=1.0)
@@ -266,7 +276,7 @@ def test_join_replies_are_finished_after_a_member_leaves_finished():
     assert _join_reply(coordinator, member="b", node="n", pid=2, step=10, after=1) == {"status": "finished"}
 
 
-def test_a_join_reply_before_the_job_finishes_names_the_generation_and_the_rank():
+def test_a_join_that_completes_the_first_generation_is_answered_with_it_at_once():
     from unbroken.coordinator import Coordinator, CoordinatorSettings
 
     coordinator = Coordinator(CoordinatorSettings(hold=0.05), MembershipSettings(expected_members=1))

@@ -1,0 +1,84 @@
+"""The benchmark's training script: the same model, data and global batch under unbroken or DDP.
+
+``--mode unbroken`` runs under ``unbroken run``; ``--mode ddp`` under ``torchrun`` with plain
+``DistributedDataParallel`` on Gloo. Both take the same samples per member per step (the data
+plan), so only the machinery differs. Prints ``STEP_SECONDS <median of steps after warm-up>``.
+"""
+
+import time
+
+SCRIPT_START = time.time()
+_t0 = time.perf_counter()
+import torch  # noqa: E402
+
+IMPORT_SECONDS = time.perf_counter() - _t0
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+
+from unbroken.data_plan import DataPlan  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mode", choices=["unbroken", "ddp"], required=True)
+parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--global-batch-size", type=int, default=96)
+parser.add_argument("--width", type=int, default=512)
+parser.add_argument("--warmup", type=int, default=20)
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+n = 4096
+x = torch.randn(n, 256)
+y = torch.randint(0, 10, (n,))
+dataset = torch.utils.data.TensorDataset(x, y)
+model = torch.nn.Sequential(
+    torch.nn.Linear(256, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 10)
+)
+_t1 = time.perf_counter()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the first optimizer imports torch._dynamo
+OPTIMIZER_SECONDS = time.perf_counter() - _t1
+loss_fn = torch.nn.CrossEntropyLoss()
+times = []
+
+if os.environ.get("UNBROKEN_RUN_DIR"):
+    with open(os.path.join(os.environ["UNBROKEN_RUN_DIR"], "imports.jsonl"), "a") as f:
+        f.write(json.dumps({"member": os.environ.get("UNBROKEN_MEMBER_ID"), "import_torch": IMPORT_SECONDS, "script_start": SCRIPT_START, "first_optimizer": OPTIMIZER_SECONDS, "t": time.time()}) + "\n")
+
+if args.mode == "unbroken":
+    import unbroken
+
+    job = unbroken.Job(model, optimizer, dataset, global_batch_size=args.global_batch_size, seed=0)
+    last = None
+    for step in job.steps(total=args.steps):
+        for xb, yb in step.micro_batches():
+            step.backward(loss_fn(model(xb), yb))
+        step.commit()
+        now = time.perf_counter()
+        if last is not None and step.index >= args.warmup and step.members == job.member_count:
+            times.append(now - last)
+        last = now
+else:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    plan = DataPlan(n, args.global_batch_size, args.global_batch_size, seed=0)
+    last = None
+    for s in range(args.steps):
+        idx = plan.indices(plan.share(s, rank, world))
+        loss = loss_fn(ddp(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        now = time.perf_counter()
+        if last is not None and s >= args.warmup:
+            times.append(now - last)
+        last = now
+    dist.destroy_process_group()
+
+if times:
+    print(f"STEP_SECONDS {statistics.median(times):.6f}", flush=True)

@@ -1,0 +1,176 @@
+"""The ``unbroken`` command line: parsing only; nothing is launched."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from unbroken import cli
+from unbroken.cli import build_parser, main
+from unbroken.launcher import LaunchSettings
+
+# Changing this list changes the user-facing interface: do it deliberately, with the docs.
+RUN_FLAGS = [
+    ["-h", "--help"],
+    ["--nproc-per-node", "--nproc_per_node"],
+    ["--max-restarts", "--max_restarts"],
+    ["--run-dir", "--run_dir"],
+    ["--coordinator"],
+    ["--coordinator-host", "--coordinator_host"],
+    ["--coordinator-port", "--coordinator_port"],
+    ["--node-name", "--node_name"],
+    ["--heartbeat-interval", "--heartbeat_interval"],
+    ["--heartbeat-timeout", "--heartbeat_timeout"],
+    ["--collective-timeout", "--collective_timeout"],
+    ["--restart-backoff", "--restart_backoff"],
+    ["--tee"],
+    ["--chaos"],
+    ["--record-samples", "--record_samples"],
+]
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[name]
+
+
+@pytest.fixture(autouse=True)
+def _no_logging_setup(monkeypatch):
+    # main() configures the root logger; keep the test process's logging as pytest set it.
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("print('never run by these tests')\n")
+    return str(path)
+
+
+def test_the_run_command_has_exactly_the_pinned_flags():
+    run = _subparser("run")
+    assert [a.option_strings for a in run._actions if a.option_strings] == RUN_FLAGS
+    assert [a.dest for a in run._actions if not a.option_strings] == ["script", "script_args"]
+
+
+def test_the_subcommands_are_run_coordinator_and_status():
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert sorted(sub.choices) == ["coordinator", "run", "status"]
+
+
+def test_run_defaults_come_from_the_launch_settings():
+    args = build_parser().parse_args(["run", "train.py"])
+    fields = LaunchSettings.__dataclass_fields__
+    for name in ("max_restarts", "coordinator_host", "coordinator_port", "heartbeat_interval", "heartbeat_timeout", "collective_timeout", "restart_backoff"):
+        assert getattr(args, name) == fields[name].default, name
+    assert args.nproc_per_node == "1"
+    assert (args.run_dir, args.coordinator, args.node_name, args.tee, args.chaos, args.record_samples) == (None, None, None, None, None, False)
+    assert (args.script, args.script_args) == ("train.py", [])
+
+
+def test_torchrun_style_underscore_aliases_parse_like_the_dashed_flags():
+    underscored = build_parser().parse_args(
+        ["run", "--nproc_per_node", "4", "--max_restarts", "2", "--heartbeat_timeout", "7.5", "--record_samples", "t.py"]
+    )
+    dashed = build_parser().parse_args(
+        ["run", "--nproc-per-node", "4", "--max-restarts", "2", "--heartbeat-timeout", "7.5", "--record-samples", "t.py"]
+    )
+    assert underscored == dashed
+    assert (underscored.nproc_per_node, underscored.max_restarts, underscored.heartbeat_timeout) == ("4", 2, 7.5)
+    assert underscored.record_samples is True
+
+
+def test_everything_after_the_script_belongs_to_the_script():
+    args = build_parser().parse_args(["run", "--tee", "1", "train.py", "--lr", "3e-4", "--nproc-per-node", "9"])
+    assert args.script == "train.py"
+    assert args.script_args == ["--lr", "3e-4", "--nproc-per-node", "9"]
+    assert args.nproc_per_node == "1"
+    assert args.tee == 1
+
+
+def test_a_command_is_required(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
+    assert "required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, shown", [("0", "got 0"), ("-2", "got -2"), ("four", "got 'four'"), ("1.5", "got '1.5'")])
+def test_a_bad_process_count_exits_2_with_a_clear_message(capsys, value, shown):
+    assert main(["run", "--nproc-per-node", value, "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unbroken: error: ")
+    assert "--nproc-per-node must be a positive integer" in err
+    assert shown in err
+    assert "Traceback" not in err
+
+
+def test_a_missing_training_script_exits_2_naming_it(capsys, tmp_path):
+    missing = str(tmp_path / "nope.py")
+    assert main(["run", "--nproc-per-node", "2", missing]) == 2
+    err = capsys.readouterr().err
+    assert "training script not found" in err and missing in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+        (["--heartbeat-interval", "6"], "need 0 < --heartbeat-interval < --heartbeat-timeout"),
+        (["--heartbeat-timeout", "40"], "need --heartbeat-timeout < --collective-timeout"),
+        (["--nproc-per-node", "2", "--tee", "2"], "--tee must name a local rank in 0..1"),
+        (["--chaos", "kill@nowhere"], "bad fault 'kill@nowhere'"),
+    ],
+)
+def test_invalid_run_settings_exit_2_before_anything_starts(capsys, monkeypatch, script, flags, message):
+    def launcher_must_not_start(*args, **kwargs):
+        raise AssertionError("the launcher was started")
+
+    monkeypatch.setattr("unbroken.launcher.Launcher", launcher_must_not_start)
+    assert main(["run", *flags, script]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_non_numeric_timeout_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--heartbeat-timeout", "soon", "x.py"])
+    assert exited.value.code == 2
+    assert "--heartbeat-timeout" in capsys.readouterr().err
+
+
+def test_valid_run_flags_become_the_launch_settings(monkeypatch, script):
+    seen = {}
+
+    class FakeLauncher:
+        def __init__(self, settings):
+            seen["settings"] = settings
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+    code = main(
+        ["run", "--nproc_per_node", "3", "--max-restarts", "1", "--node-name", "n7", "--tee", "2",
+         "--chaos", "kill@step,rank=1", "--record-samples", script, "--epochs", "2"]
+    )
+    assert code == 0
+    s = seen["settings"]
+    assert (s.nproc_per_node, s.max_restarts, s.node, s.tee, s.chaos, s.record_samples) == (3, 1, "n7", 2, "kill@step,rank=1", True)
+    assert (s.script, s.script_args) == (script, ("--epochs", "2"))
+
+
+def test_the_coordinator_and_status_commands_parse_their_options():
+    args = build_parser().parse_args(["coordinator", "--port", "1234", "--expected-members", "8", "--heartbeat-timeout", "3"])
+    assert (args.command, args.port, args.expected_members, args.heartbeat_timeout, args.host) == ("coordinator", 1234, 8, 3.0, "0.0.0.0")
+    args = build_parser().parse_args(["status", "h:1", "--json"])
+    assert (args.command, args.address, args.json, args.timeout) == ("status", "h:1", True, 5.0)
+
+
+def test_positive_int_helper_names_the_flag():
+    with pytest.raises(cli.ConfigError, match="--x must be a positive integer, got 0"):
+        cli._positive_int("--x", "0")
+    assert cli._positive_int("--x", "12") == 12

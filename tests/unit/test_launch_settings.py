@@ -1,0 +1,97 @@
+"""LaunchSettings: what ``unbroken run`` refuses before it starts anything."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.errors import ConfigError
+from unbroken.launcher import LaunchSettings
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("pass\n")
+    return str(path)
+
+
+def test_defaults_are_valid_and_documented_values(script):
+    s = LaunchSettings(script=script)
+    assert (s.nproc_per_node, s.max_restarts, s.restart_backoff, s.max_restart_backoff) == (1, 3, 0.1, 10.0)
+    assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout, s.shutdown_grace) == (0.5, 5.0, 30.0, 5.0)
+    assert (s.coordinator, s.coordinator_host, s.coordinator_port, s.run_dir, s.tee, s.chaos) == (None, "127.0.0.1", 0, None, None, None)
+    assert s.script_args == () and s.record_samples is False
+    assert isinstance(s.node, str) and s.node
+
+
+def test_settings_are_frozen(script):
+    s = LaunchSettings(script=script)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.nproc_per_node = 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "2", 2.0, None])
+def test_a_bad_process_count_is_refused(script, bad):
+    with pytest.raises(ConfigError, match="--nproc-per-node must be a positive integer"):
+        LaunchSettings(script=script, nproc_per_node=bad)
+
+
+def test_a_negative_restart_limit_is_refused_and_zero_is_allowed(script):
+    with pytest.raises(ConfigError, match="--max-restarts must be 0 or more, got -1"):
+        LaunchSettings(script=script, max_restarts=-1)
+    assert LaunchSettings(script=script, max_restarts=0).max_restarts == 0
+
+
+@pytest.mark.parametrize(
+    "interval, timeout, collective",
+    [(0.0, 5.0, 30.0), (-1.0, 5.0, 30.0), (5.0, 5.0, 30.0), (6.0, 5.0, 30.0)],
+)
+def test_the_heartbeat_interval_must_be_positive_and_below_the_heartbeat_timeout(script, interval, timeout, collective):
+    with pytest.raises(ConfigError, match="need 0 < --heartbeat-interval < --heartbeat-timeout"):
+        LaunchSettings(script=script, heartbeat_interval=interval, heartbeat_timeout=timeout, collective_timeout=collective)
+
+
+@pytest.mark.parametrize("collective", [5.0, 4.0])
+def test_the_heartbeat_timeout_must_be_below_the_collective_timeout(script, collective):
+    with pytest.raises(ConfigError, match="need --heartbeat-timeout < --collective-timeout"):
+        LaunchSettings(script=script, heartbeat_interval=1.0, heartbeat_timeout=5.0, collective_timeout=collective)
+
+
+def test_timeouts_in_the_required_order_are_accepted(script):
+    s = LaunchSettings(script=script, heartbeat_interval=0.1, heartbeat_timeout=0.2, collective_timeout=0.3)
+    assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout) == (0.1, 0.2, 0.3)
+
+
+@pytest.mark.parametrize("tee", [-1, 2, 5])
+def test_tee_must_name_a_local_rank(script, tee):
+    with pytest.raises(ConfigError, match=r"--tee must name a local rank in 0\.\.1, got " + str(tee)):
+        LaunchSettings(script=script, nproc_per_node=2, tee=tee)
+
+
+def test_tee_may_name_any_local_rank(script):
+    assert [LaunchSettings(script=script, nproc_per_node=3, tee=t).tee for t in range(3)] == [0, 1, 2]
+
+
+def test_a_missing_script_is_refused_naming_it(tmp_path):
+    missing = str(tmp_path / "missing.py")
+    with pytest.raises(ConfigError, match="training script not found") as caught:
+        LaunchSettings(script=missing)
+    assert repr(missing) in str(caught.value)
+
+
+def test_a_directory_is_not_a_training_script(tmp_path):
+    with pytest.raises(ConfigError, match="training script not found"):
+        LaunchSettings(script=str(tmp_path))
+
+
+def test_a_bad_chaos_schedule_is_refused_at_launch(script):
+    with pytest.raises(ConfigError, match="bad condition 'rank=x'"):
+        LaunchSettings(script=script, chaos="kill@step,rank=x")
+    assert LaunchSettings(script=script, chaos="kill@step,rank=0").chaos == "kill@step,rank=0"
+
+
+def test_the_process_count_is_checked_before_the_script(tmp_path):
+    with pytest.raises(ConfigError, match="--nproc-per-node"):
+        LaunchSettings(script=str(tmp_path / "missing.py"), nproc_per_node=0)
