@@ -346,7 +346,13 @@ class Launcher:
 
     def _shutdown(self) -> None:
         """Stop every worker still running: SIGTERM, then SIGKILL after the grace period."""
-        running = [w.proc for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        running = []
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                running.append(w.proc)
+                w.state = WorkerState.STOPPED
+            elif w.state in (WorkerState.RUNNING, WorkerState.BACKOFF):
+                w.state = WorkerState.STOPPED
         for proc in running:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + self.settings.shutdown_grace

@@ -1,0 +1,56 @@
+"""The launcher: Ctrl-C and SIGTERM end the whole job cleanly; worker output is logged."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_a_signal_to_the_launcher_stops_every_worker_and_exits_with_its_code(tmp_path, sig, code):
+    run_dir = str(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unbroken", "run", "--run-dir", run_dir, "--nproc-per-node", "2", harness.EXACT, "--steps", "100000", "--step-delay", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        wait_for(lambda: harness.Run(0, "", "", run_dir).events("generation"), 120, "training to start")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        leftovers = harness.kill_leftovers(run_dir)
+    assert proc.returncode == code, err
+    assert f"stopped by {signal.Signals(sig).name}" in err
+    assert leftovers == []
+    summary = harness.Run(0, "", "", run_dir).summary()
+    assert all(w["state"] == "stopped" for w in summary["workers"])
+
+
+def test_each_worker_writes_its_own_log_and_the_console_shows_one_worker(tmp_path):
+    run = harness.unbroken(str(tmp_path), "--nproc-per-node", "2", harness.EXACT, "--steps", "5")
+    assert run.code == 0, run.stderr
+    for rank in (0, 1):
+        with open(os.path.join(run.run_dir, "workers", f"w{rank}.log")) as f:
+            log = f.read()
+        assert "step 4 loss" in log
+    shown = [line for line in run.stdout.splitlines() if "step 4 loss" in line]
+    assert len(shown) == 1 and shown[0].startswith("[w0] ")
