@@ -34,6 +34,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--heartbeat-interval", type=float, default=d["heartbeat_interval"].default, help="seconds between heartbeats (default %(default)s)")
     _flag(p, "--heartbeat-timeout", type=float, default=d["heartbeat_timeout"].default, help="silence that declares a worker dead (default %(default)s)")
     _flag(p, "--collective-timeout", type=float, default=d["collective_timeout"].default, help="longest wait of one collective (default %(default)s)")
+    _flag(p, "--nnodes", default=None, help="MIN:MAX nodes (torchrun spelling); sets --min-members/--max-members to MIN*N/MAX*N")
+    _flag(p, "--min-members", type=int, default=d["min_members"].default, help="no generation below this many workers (default %(default)s)")
+    _flag(p, "--max-members", type=int, default=None, help="at most this many workers in a generation (default: no limit)")
+    _flag(p, "--progress-timeout", type=float, default=d["progress_timeout"].default, help="evict a worker stuck while peers wait this long (default %(default)s)")
+    _flag(p, "--quorum-timeout", type=float, default=d["quorum_timeout"].default, help="fail if below --min-members this long (default %(default)s)")
+    _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
     _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default, help="first restart delay, doubling (default %(default)s)")
     _flag(p, "--tee", type=int, default=None, help="show this local rank's output on the console (default: lowest alive)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
@@ -52,11 +58,27 @@ def _positive_int(flag: str, text: str) -> int:
     return value
 
 
+def _nnodes(text: str, nproc: int) -> tuple[int, int | None]:
+    """torchrun's ``--nnodes N`` or ``MIN:MAX`` as member counts."""
+    low, sep, high = text.partition(":")
+    try:
+        lo = int(low)
+        hi = int(high) if sep else lo
+    except ValueError:
+        raise ConfigError(f"--nnodes must be N or MIN:MAX, got {text!r}") from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"--nnodes needs 1 <= MIN <= MAX, got {text!r}")
+    return lo * nproc, hi * nproc
+
+
 def _run(args: argparse.Namespace) -> int:
     import socket
 
     from unbroken.launcher import Launcher, LaunchSettings
 
+    min_members, max_members = args.min_members, args.max_members
+    if args.nnodes:
+        min_members, max_members = _nnodes(args.nnodes, _positive_int("--nproc-per-node", args.nproc_per_node))
     settings = LaunchSettings(
         script=args.script,
         script_args=tuple(args.script_args),
@@ -74,6 +96,11 @@ def _run(args: argparse.Namespace) -> int:
         tee=args.tee,
         chaos=args.chaos,
         record_samples=args.record_samples,
+        min_members=min_members,
+        max_members=max_members,
+        progress_timeout=args.progress_timeout,
+        quorum_timeout=args.quorum_timeout,
+        start_grace=args.start_grace,
     )
     return Launcher(settings).run()
 
@@ -85,7 +112,15 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     coordinator = Coordinator(
         CoordinatorSettings(host=args.host, port=args.port, store_port=args.store_port, advertise_host=args.advertise_host),
-        MembershipSettings(heartbeat_timeout=args.heartbeat_timeout, expected_members=args.expected_members),
+        MembershipSettings(
+            heartbeat_timeout=args.heartbeat_timeout,
+            expected_members=args.expected_members or args.min_members,
+            min_members=args.min_members,
+            max_members=args.max_members,
+            progress_timeout=args.progress_timeout,
+            quorum_timeout=args.quorum_timeout,
+            start_grace=args.start_grace,
+        ),
         EventLog.for_run_dir(args.run_dir, "coordinator"),
     )
     try:
@@ -118,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=29400, help="HTTP port (default %(default)s)")
     c.add_argument("--store-port", type=int, default=0, help="TCPStore port (default 0: any free)")
     c.add_argument("--advertise-host", default=None, help="host name members use for the store (default: this host's name)")
-    c.add_argument("--expected-members", type=int, default=1, help="members the first generation waits for (default 1)")
+    c.add_argument("--min-members", type=int, default=1, help="no generation below this many members (default 1)")
+    c.add_argument("--max-members", type=int, default=None, help="at most this many members in a generation (default: no limit)")
+    c.add_argument("--expected-members", type=int, default=None, help="members the first generation waits for (default: --min-members)")
+    c.add_argument("--start-grace", type=float, default=30.0, help="first generation waits this long for the expected members (default 30)")
+    c.add_argument("--progress-timeout", type=float, default=20.0, help="evict a member stuck while peers wait this long (default 20)")
+    c.add_argument("--quorum-timeout", type=float, default=300.0, help="fail the job if below --min-members this long (default 300)")
     c.add_argument("--heartbeat-timeout", type=float, default=5.0, help="silence that declares a member dead (default 5)")
     c.add_argument("--run-dir", default=None, help="write the event log here")
     s = sub.add_parser("status", help="show a coordinator's generation and members")

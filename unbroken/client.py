@@ -97,6 +97,7 @@ class Heartbeat:
         self.interval = interval
         self.on_change = on_change
         self.step = 0
+        self.blocked_on: str | None = None
         self.view: dict[str, Any] = {}
         self.last_reply = time.monotonic()
         self._stop = threading.Event()
@@ -117,6 +118,7 @@ class Heartbeat:
                     read_timeout=self.interval + 10.0,
                     member=self.member,
                     step=self.step,
+                    blocked_on=self.blocked_on,
                     seen=self.view,
                     hold=self.interval,
                 )

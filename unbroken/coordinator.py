@@ -212,13 +212,18 @@ class Coordinator:
         while True:
             await asyncio.sleep(self.settings.check_interval)
             now = time.monotonic()
+            failed_before = self.state.failed
             dead = self.state.expire(now)
             for member_id in dead:
                 reason = self.state.members[member_id].death_reason
                 log.warning("member %s declared dead: %s", member_id, reason)
-                self.events.emit("verdict", member=member_id, detected_by="heartbeat", reason=reason)
-            if dead or (self.state.current is None and self.state.first_wait is not None):
+                how = "heartbeat" if reason and reason.startswith("no heartbeat") else "progress watchdog"
+                self.events.emit("verdict", member=member_id, detected_by=how, reason=reason)
+            if dead or (self.state.current is None and self.state.first_wait is not None) or self.state.failed != failed_before:
                 self._bump()
+            if self.state.failed and not failed_before:
+                log.error("job failed: %s", self.state.failed)
+                self.events.emit("job_failed", reason=self.state.failed)
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -260,6 +265,8 @@ class Coordinator:
                 )
             if self.state.finished:
                 return self._reply({"status": "finished"})
+            if self.state.failed:
+                return self._reply({"status": "failed", "reason": self.state.failed})
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return self._reply({"status": "wait"})
@@ -270,7 +277,7 @@ class Coordinator:
         member_id = body["member"]
         seen = body.get("seen") or {}
         deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
-        self.state.heartbeat(member_id, body.get("step"), time.monotonic())
+        self.state.heartbeat(member_id, body.get("step"), time.monotonic(), body.get("blocked_on"))
         while True:
             view = self.state.view_for(member_id)
             remaining = deadline - time.monotonic()
@@ -314,6 +321,7 @@ class Coordinator:
                 "generation_members": list(current.members) if current else [],
                 "broken": self.state.view_for("")["broken"],
                 "finished": self.state.finished,
+                "failed": self.state.failed,
                 "committed_step": self.state.committed_step(),
                 "live": self.state.live_count(),
                 "members": [

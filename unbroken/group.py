@@ -39,7 +39,17 @@ def _device(store_host: str):
 class GenerationGroup:
     """The process group of one generation, seen from one member."""
 
-    def __init__(self, number: int, rank: int, size: int, members: list[str], abandoned: Callable[[], str | None], wake: threading.Event, timeout: float) -> None:
+    def __init__(
+        self,
+        number: int,
+        rank: int,
+        size: int,
+        members: list[str],
+        abandoned: Callable[[], str | None],
+        wake: threading.Event,
+        timeout: float,
+        blocked: Callable[[str | None], None] = lambda what: None,
+    ) -> None:
         self.number = number
         self.rank = rank
         self.size = size
@@ -48,6 +58,8 @@ class GenerationGroup:
         self._abandoned = abandoned
         self._wake = wake
         self.timeout = timeout
+        self._blocked = blocked
+        self._waits = 0
 
     # -- construction --------------------------------------------------------------------------
 
@@ -75,6 +87,16 @@ class GenerationGroup:
     # -- waits ---------------------------------------------------------------------------------
 
     def _watch(self, done: Callable[[], bool], what: str, poll: float | None) -> None:
+        if done():
+            return
+        self._waits += 1
+        self._blocked(f"g{self.number}:{self._waits}:{what}")  # for the coordinator's progress watchdog
+        try:
+            self._watch_loop(done, what, poll)
+        finally:
+            self._blocked(None)
+
+    def _watch_loop(self, done: Callable[[], bool], what: str, poll: float | None) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             if done():

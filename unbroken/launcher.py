@@ -74,6 +74,16 @@ class LaunchSettings:
     """Seconds of silence after which the coordinator declares a worker dead."""
     collective_timeout: float = 30.0
     """Longest wait of one collective when no verdict ends it sooner."""
+    min_members: int = 1
+    """The embedded coordinator forms no generation below this many workers."""
+    max_members: int | None = None
+    """The embedded coordinator puts at most this many workers in a generation."""
+    progress_timeout: float = 20.0
+    """A worker stuck while its peers wait this long for it is declared dead and restarted."""
+    quorum_timeout: float = 300.0
+    """The job fails if live workers stay below ``min_members`` this long."""
+    start_grace: float = 30.0
+    """The first generation waits this long for every expected worker before starting with fewer."""
     shutdown_grace: float = 5.0
     """Seconds workers get to exit after SIGTERM before SIGKILL."""
     tee: int | None = None
@@ -92,6 +102,13 @@ class LaunchSettings:
             raise ConfigError("need 0 < --heartbeat-interval < --heartbeat-timeout")
         if self.heartbeat_timeout >= self.collective_timeout:
             raise ConfigError("need --heartbeat-timeout < --collective-timeout")
+        if self.progress_timeout >= self.collective_timeout:
+            raise ConfigError("need --progress-timeout < --collective-timeout, so that a stuck worker is evicted before its peers give up")
+        if self.min_members < 1 or (self.max_members is not None and self.max_members < self.min_members):
+            raise ConfigError(f"need 1 <= --min-members <= --max-members, got {self.min_members} and {self.max_members}")
+        for name in ("restart_backoff", "max_restart_backoff", "shutdown_grace", "quorum_timeout", "start_grace"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if self.tee is not None and not 0 <= self.tee < self.nproc_per_node:
             raise ConfigError(f"--tee must name a local rank in 0..{self.nproc_per_node - 1}, got {self.tee}")
         if not os.path.isfile(self.script):
@@ -179,7 +196,15 @@ class Launcher:
 
         self.coordinator = Coordinator(
             CoordinatorSettings(host=self.settings.coordinator_host, port=self.settings.coordinator_port),
-            MembershipSettings(heartbeat_timeout=self.settings.heartbeat_timeout, expected_members=len(self.workers)),
+            MembershipSettings(
+                heartbeat_timeout=self.settings.heartbeat_timeout,
+                expected_members=max(len(self.workers), self.settings.min_members),
+                min_members=self.settings.min_members,
+                max_members=self.settings.max_members,
+                progress_timeout=self.settings.progress_timeout,
+                quorum_timeout=self.settings.quorum_timeout,
+                start_grace=self.settings.start_grace,
+            ),
             EventLog.for_run_dir(self.run_dir, "coordinator"),
         ).start_in_thread()
         self.address = self.coordinator.address
@@ -246,6 +271,10 @@ class Launcher:
         if status.get("finished"):
             worker.state = WorkerState.FAILED
             return None
+        if status.get("failed"):
+            worker.state = WorkerState.FAILED
+            self.reason = f"the job cannot go on: {status['failed']}"
+            return 1
         self._say(f"worker {worker.local_rank} ({worker.member_id}) {how}")
         if code > 0:
             # A script's own bug raises on every member: when every worker has failed with an error
@@ -281,6 +310,7 @@ class Launcher:
                 "UNBROKEN_RESTART_COUNT": str(worker.restarts),
                 "UNBROKEN_HEARTBEAT_INTERVAL": str(s.heartbeat_interval),
                 "UNBROKEN_COLLECTIVE_TIMEOUT": str(s.collective_timeout),
+                "UNBROKEN_LEASE": str(s.heartbeat_timeout),
                 "LOCAL_RANK": str(worker.local_rank),
                 "LOCAL_WORLD_SIZE": str(len(self.workers)),
                 "PYTHONUNBUFFERED": "1",

@@ -51,6 +51,12 @@ class Member:
     step: int = 0
     pid: int | None = None
     waiting_since: float | None = None
+    blocked_on: str | None = None
+    """The collective the member last reported waiting in (None: not waiting in one)."""
+    blocked_since: float | None = None
+    """Since when (coordinator clock) it has waited in that same collective."""
+    fenced: bool = False
+    """Declared dead for making no progress: it must end itself so that its launcher restarts it."""
     death_reason: str | None = None
 
 
@@ -78,6 +84,24 @@ class MembershipSettings:
     """Seconds the first generation waits for ``expected_members`` before starting with fewer."""
     min_members: int = 1
     """No generation is formed with fewer members than this."""
+    max_members: int | None = None
+    """A generation takes at most this many members; the others wait as spares."""
+    quorum_timeout: float = 300.0
+    """Seconds live members may stay below ``min_members`` (after the first generation, or after
+    ``start_grace`` before it) before the job is failed."""
+    progress_timeout: float = 20.0
+    """A member that makes no progress for this long while a peer waits for it inside a collective,
+    or that does not come to join this long after its generation broke, is declared dead."""
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_timeout > 0:
+            raise ValueError("heartbeat_timeout must be positive")
+        if self.min_members < 1:
+            raise ValueError(f"min_members must be at least 1, got {self.min_members}")
+        if self.max_members is not None and self.max_members < self.min_members:
+            raise ValueError(f"max_members ({self.max_members}) is below min_members ({self.min_members})")
+        if self.progress_timeout <= 0 or self.quorum_timeout <= 0:
+            raise ValueError("progress_timeout and quorum_timeout must be positive")
 
 
 @dataclass(frozen=True)
@@ -105,8 +129,7 @@ def decide(
     if busy:
         return Decision(False, reason=f"waiting for {len(busy)} active member(s) to reach a step boundary")
     if current is None and len(waiting) < settings.expected_members:
-        waited = now - (first_wait if first_wait is not None else now)
-        if waited < settings.start_grace:
+        if first_wait is None or now - first_wait < settings.start_grace:
             return Decision(
                 False,
                 reason=f"first generation: {len(waiting)} of {settings.expected_members} expected members",
@@ -118,6 +141,8 @@ def decide(
     order = [m for m in previous if m in waiting_ids]
     newcomers = sorted((m for m in waiting if m.id not in previous), key=lambda m: (m.joined_at, m.id))
     order += [m.id for m in newcomers]
+    if settings.max_members is not None:
+        order = order[: settings.max_members]
     return Decision(True, tuple(order), reason=f"{len(order)} member(s) ready")
 
 
@@ -130,7 +155,11 @@ class Membership:
     current: Generation | None = None
     generation_state: GenerationState = GenerationState.ACTIVE
     finished: bool = False
+    failed: str | None = None
+    """Why the job cannot go on (quorum lost for too long); None while it can."""
     first_wait: float | None = None
+    broken_at: float | None = None
+    below_quorum_since: float | None = None
     history: list[Generation] = field(default_factory=list)
 
     # -- member requests ---------------------------------------------------------------------
@@ -146,13 +175,14 @@ class Membership:
             member.last_heartbeat = now
             return False
         member.state = MemberState.WAITING
+        member.fenced = False
         member.waiting_since = now
         member.last_heartbeat = now
         member.step = step
         member.death_reason = None
         return True
 
-    def heartbeat(self, member_id: str, step: int | None, now: float) -> Member | None:
+    def heartbeat(self, member_id: str, step: int | None, now: float, blocked_on: str | None = None) -> Member | None:
         member = self.members.get(member_id)
         if member is None:
             return None
@@ -160,6 +190,9 @@ class Membership:
             member.last_heartbeat = now
             if step is not None:
                 member.step = max(member.step, step)
+            if blocked_on != member.blocked_on:
+                member.blocked_on = blocked_on
+                member.blocked_since = now if blocked_on else None
         return member
 
     def report_failure(self, member_id: str, generation: int, now: float) -> bool:
@@ -168,7 +201,7 @@ class Membership:
             return False
         if self.generation_state is GenerationState.BROKEN:
             return False
-        self.generation_state = GenerationState.BROKEN
+        self._break(now)
         return True
 
     def mark_dead(self, member_id: str, reason: str, now: float) -> bool:
@@ -184,7 +217,7 @@ class Membership:
         member.state = MemberState.DEAD
         member.death_reason = reason
         if self.current is not None and member_id in self.current.members:
-            self.generation_state = GenerationState.BROKEN
+            self._break(now)
         return True
 
     def leave(self, member_id: str, finished: bool, step: int, now: float) -> bool:
@@ -197,7 +230,7 @@ class Membership:
             changed = True
             in_current = self.current is not None and member_id in self.current.members
             if was_live and in_current and not finished:
-                self.generation_state = GenerationState.BROKEN
+                self._break(now)
         if finished and not self.finished:
             self.finished = True
             changed = True
@@ -205,8 +238,19 @@ class Membership:
 
     # -- time and decisions --------------------------------------------------------------------
 
+    def _break(self, now: float) -> None:
+        if self.generation_state is not GenerationState.BROKEN:
+            self.generation_state = GenerationState.BROKEN
+            self.broken_at = now
+
     def expire(self, now: float) -> list[str]:
-        """Declare dead every live member silent for longer than the heartbeat timeout."""
+        """Declare dead every live member that is silent or makes no progress; check the quorum.
+
+        Silent: no heartbeat for ``heartbeat_timeout``. No progress: a peer of the current
+        generation has waited inside a collective for ``progress_timeout`` while this member was
+        not waiting in one, or the generation broke ``progress_timeout`` ago and this member has
+        still not come to join.
+        """
         dead = []
         for member in self.members.values():
             if member.state in (MemberState.WAITING, MemberState.ACTIVE):
@@ -214,11 +258,58 @@ class Membership:
                 if silent > self.settings.heartbeat_timeout:
                     self.mark_dead(member.id, f"no heartbeat for {silent:.1f} s", now)
                     dead.append(member.id)
+        dead += self._expire_stragglers(now)
+        self._check_quorum(now)
         return dead
+
+    def _expire_stragglers(self, now: float) -> list[str]:
+        if self.current is None:
+            return []
+        limit = self.settings.progress_timeout
+        active = [self.members[m] for m in self.current.members if self.members[m].state is MemberState.ACTIVE]
+        reason = None
+        if self.generation_state is GenerationState.BROKEN:
+            if self.broken_at is not None and now - self.broken_at > limit:
+                reason = f"did not come to join {now - self.broken_at:.1f} s after its generation broke"
+            stragglers = active
+        else:
+            members = [self.members[m] for m in self.current.members]
+            waited = [now - m.blocked_since for m in active if m.blocked_since is not None]
+            # Members that left this generation to join the next wait for the rest just the same.
+            waited += [now - m.waiting_since for m in members if m.state is MemberState.WAITING and m.waiting_since is not None]
+            if waited and max(waited) > limit:
+                reason = f"no progress while a peer waited {max(waited):.1f} s for it in a collective"
+            stragglers = [m for m in active if m.blocked_since is None]
+        if reason is None:
+            return []
+        dead = []
+        for member in stragglers:
+            self.mark_dead(member.id, reason, now)
+            member.fenced = True
+            dead.append(member.id)
+        return dead
+
+    def _check_quorum(self, now: float) -> None:
+        if self.finished or self.failed or self.first_wait is None:
+            return
+        live = self.live_count()
+        if live >= self.settings.min_members:
+            self.below_quorum_since = None
+            return
+        if self.below_quorum_since is None:
+            # Before the first generation the members get start_grace to arrive first.
+            self.below_quorum_since = now if self.current is not None else self.first_wait + self.settings.start_grace
+        if now - self.below_quorum_since > self.settings.quorum_timeout:
+            self.failed = (
+                f"only {live} live member(s), below the minimum of {self.settings.min_members},"
+                f" for more than quorum_timeout={self.settings.quorum_timeout:.0f} s"
+            )
 
     def maybe_form(self, now: float) -> tuple[Generation | None, Decision]:
         if self.finished:
             return None, Decision(False, reason="job finished")
+        if self.failed:
+            return None, Decision(False, reason=self.failed)
         decision = decide(self.members, self.current, self.settings, self.first_wait, now)
         if not decision.form:
             return None, decision
@@ -228,8 +319,10 @@ class Membership:
             member = self.members[member_id]
             member.state = MemberState.ACTIVE
             member.waiting_since = None
+            member.blocked_on = member.blocked_since = None
         self.current = generation
         self.generation_state = GenerationState.ACTIVE
+        self.broken_at = None
         self.history.append(generation)
         return generation, decision
 
@@ -239,7 +332,12 @@ class Membership:
         """True when members of the current generation should come to join a new one."""
         if self.generation_state is GenerationState.BROKEN:
             return True
-        return any(m.state is MemberState.WAITING for m in self.members.values())
+        full = (
+            self.current is not None
+            and self.settings.max_members is not None
+            and len(self.current.members) >= self.settings.max_members
+        )
+        return not full and any(m.state is MemberState.WAITING for m in self.members.values())
 
     def live_count(self) -> int:
         return sum(m.state in (MemberState.WAITING, MemberState.ACTIVE) for m in self.members.values())
@@ -255,5 +353,8 @@ class Membership:
             "broken": self.generation_state is GenerationState.BROKEN,
             "reconfigure": self.reconfigure_wanted(),
             "state": member.state.value if member else "unknown",
+            "reason": member.death_reason if member else None,
+            "fence": member.fenced if member else False,
             "finished": self.finished,
+            "failed": self.failed,
         }

@@ -23,6 +23,7 @@ import atexit
 import hashlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -58,6 +59,10 @@ class RuntimeSettings:
     collective_timeout: float = 30.0
     """Longest wait for one collective or connect (``UNBROKEN_COLLECTIVE_TIMEOUT``); a verdict
     from the coordinator usually ends a failed wait long before."""
+    lease: float = 5.0
+    """Seconds without a reply from the coordinator after which this member stops committing and
+    abandons its generation (``UNBROKEN_LEASE``); keep it at most the coordinator's heartbeat
+    timeout, so that a member cut off by a partition stops before the others go on without it."""
     coordinator_timeout: float = 60.0
     """How long an unreachable coordinator is retried before giving up (``UNBROKEN_COORDINATOR_TIMEOUT``)."""
     join_timeout: float = 600.0
@@ -70,6 +75,8 @@ class RuntimeSettings:
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.collective_timeout:
             raise ConfigError("need 0 < heartbeat_interval < collective_timeout")
+        if not self.heartbeat_interval < self.lease:
+            raise ConfigError(f"need heartbeat_interval ({self.heartbeat_interval}) < lease ({self.lease})")
         for name in ("coordinator_timeout", "join_timeout", "bucket_cap_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -365,6 +372,12 @@ class Job:
         _ExitGuard.install(self)
 
     def _on_view(self, view: dict[str, Any]) -> None:
+        if view.get("fence"):
+            # Declared dead for making no progress (stuck in user code or a device): this process
+            # cannot be trusted to reach a step boundary, so it ends itself and its launcher
+            # starts a fresh one, which rejoins and is healed.
+            print(f"unbroken: {self.member_id}: {view.get('reason')}; ending this process", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         self._wake.set()
 
     def _reconfigure_wanted(self) -> bool:
@@ -373,6 +386,9 @@ class Job:
 
     def _abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
         view = self._heartbeat.view if self._heartbeat else {}
+        silent = time.monotonic() - self._heartbeat.last_reply if self._heartbeat else 0.0
+        if silent > self.settings.lease:
+            return f"no reply from the coordinator for {silent:.1f} s (lease {self.settings.lease:.1f} s)"
         if view.get("state") == "dead":
             return "the coordinator declared this member dead"
         current = view.get("generation", 0)
@@ -406,6 +422,8 @@ class Job:
                     raise SystemExit(0)
                 log.info("%s: the job has finished; nothing to join", self.member_id)
                 return False
+            if reply["status"] == "failed":
+                raise UnbrokenError(f"the job cannot go on: {reply.get('reason')}")
             if reply["status"] != "formed":
                 if time.monotonic() > deadline:
                     raise UnbrokenError(
@@ -423,6 +441,7 @@ class Job:
                 abandoned=lambda n=number: self._abandon_reason(n),
                 wake=self._wake,
                 timeout=self.settings.collective_timeout,
+                blocked=self._blocked,
             )
             try:
                 group.connect(self._store_for(reply["store_host"], reply["store_port"]), reply["prefix"], reply["store_host"])
@@ -435,6 +454,10 @@ class Job:
             self.member_index, self.member_count = group.rank, group.size
             log.info("%s: generation %d, member %d of %d, at step %d", self.member_id, number, group.rank, group.size, self.next_step)
             return True
+
+    def _blocked(self, what: str | None) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.blocked_on = what
 
     def _store_for(self, host: str, port: int) -> Any:
         if self._store is None:

@@ -24,6 +24,12 @@ RUN_FLAGS = [
     ["--heartbeat-interval", "--heartbeat_interval"],
     ["--heartbeat-timeout", "--heartbeat_timeout"],
     ["--collective-timeout", "--collective_timeout"],
+    ["--nnodes"],
+    ["--min-members", "--min_members"],
+    ["--max-members", "--max_members"],
+    ["--progress-timeout", "--progress_timeout"],
+    ["--quorum-timeout", "--quorum_timeout"],
+    ["--start-grace", "--start_grace"],
     ["--restart-backoff", "--restart_backoff"],
     ["--tee"],
     ["--chaos"],
@@ -174,3 +180,11 @@ def test_positive_int_helper_names_the_flag():
     with pytest.raises(cli.ConfigError, match="--x must be a positive integer, got 0"):
         cli._positive_int("--x", "0")
     assert cli._positive_int("--x", "12") == 12
+
+
+def test_nnodes_in_torchrun_spelling_sets_the_member_bounds():
+    assert cli._nnodes("2:4", 3) == (6, 12)
+    assert cli._nnodes("2", 4) == (8, 8)
+    for bad in ("0:2", "3:2", "x", "1:y"):
+        with pytest.raises(cli.ConfigError, match="--nnodes"):
+            cli._nnodes(bad, 1)

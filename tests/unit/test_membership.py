@@ -118,7 +118,10 @@ def test_an_exit_report_breaks_the_generation_and_survivors_form_the_next_withou
     assert m.generation_state is GenerationState.BROKEN
     assert m.reconfigure_wanted()
     view = m.view_for("a")
-    assert view == {"generation": 1, "broken": True, "reconfigure": True, "state": "active", "finished": False}
+    assert view == {
+        "generation": 1, "broken": True, "reconfigure": True, "state": "active",
+        "reason": None, "fence": False, "finished": False, "failed": None,
+    }
     assert m.view_for("b")["state"] == "dead"
     assert m.members["b"].death_reason == "killed by SIGKILL"
     # Nothing forms while "c" is still in the broken generation.
@@ -444,3 +447,103 @@ def test_members_that_are_gone_count_neither_as_live_nor_as_waiting(member_state
     previous = Generation(3, ("b", "a"), formed_at=0.0)
     decision = decide(members, previous, MembershipSettings(expected_members=2), first_wait=0.0, now=0.0)
     assert decision == Decision(True, ("a",), reason="1 member(s) ready")
+
+
+# -- progress watchdog and quorum ------------------------------------------------------------
+
+
+def _active_generation(settings, ids=("a", "b", "c")):
+    m = Membership(settings)
+    for i, member in enumerate(ids):
+        m.join(member, "n", None, 0, now=0.0)
+    generation, _ = m.maybe_form(now=0.0)
+    assert generation is not None and generation.members == ids
+    return m
+
+
+def test_a_member_that_makes_no_progress_while_a_peer_waits_in_a_collective_is_fenced():
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
+    for t in range(0, 25, 1):
+        m.heartbeat("a", 5, float(t), blocked_on="g1:7:gradient allreduce")
+        m.heartbeat("b", 5, float(t), blocked_on="g1:7:gradient allreduce")
+        m.heartbeat("c", 5, float(t), blocked_on=None)  # alive, but stuck computing
+        dead = m.expire(float(t))
+        if dead:
+            break
+    assert dead == ["c"] and 10.0 < t <= 12.0
+    assert m.members["c"].fenced and m.view_for("c")["fence"]
+    assert m.members["a"].state is MemberState.ACTIVE and not m.members["a"].fenced
+
+
+def test_waiting_in_a_new_collective_each_time_is_progress_not_a_hang():
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
+    for t in range(0, 60):
+        # "a" is fast and always waits for the slow "c", but in a different collective each time
+        m.heartbeat("a", t, float(t), blocked_on=f"g1:{t}:gradient allreduce")
+        m.heartbeat("b", t, float(t), blocked_on=None)
+        m.heartbeat("c", t, float(t), blocked_on=None)
+        assert m.expire(float(t)) == []
+
+
+def test_members_that_do_not_come_to_join_after_a_break_are_declared_dead():
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
+    m.report_failure("a", 1, now=1.0)
+    m.join("a", "n", None, 3, now=1.0)
+    m.join("b", "n", None, 3, now=1.0)
+    for t in (2.0, 5.0, 10.0):
+        m.heartbeat("c", 3, t)
+        assert m.expire(t) == []
+    m.heartbeat("c", 3, 11.5)
+    assert m.expire(11.5) == ["c"]
+    generation, _ = m.maybe_form(11.5)
+    assert generation is not None and generation.members == ("a", "b")
+
+
+def test_staying_below_the_minimum_past_the_quorum_timeout_fails_the_job():
+    settings = MembershipSettings(expected_members=2, min_members=2, quorum_timeout=30.0, start_grace=5.0, heartbeat_timeout=100.0)
+    m = Membership(settings)
+    m.join("a", "n", None, 0, now=0.0)
+    for t in (1.0, 20.0, 34.0):
+        m.heartbeat("a", 0, t)
+        m.expire(t)
+        assert m.failed is None
+        assert m.maybe_form(t)[0] is None
+    m.heartbeat("a", 0, 36.0)
+    m.expire(36.0)
+    assert m.failed and "below the minimum of 2" in m.failed
+    assert m.view_for("a")["failed"] == m.failed
+
+
+def test_a_member_arriving_in_time_lets_training_start_at_the_minimum():
+    settings = MembershipSettings(expected_members=3, min_members=2, quorum_timeout=30.0, start_grace=5.0, heartbeat_timeout=100.0)
+    m = Membership(settings)
+    m.join("a", "n", None, 0, now=0.0)
+    m.expire(10.0)
+    assert m.maybe_form(10.0)[0] is None
+    m.join("b", "n", None, 0, now=12.0)
+    generation, _ = m.maybe_form(12.0)
+    assert generation is not None and generation.members == ("a", "b")
+    m.expire(100.0 if False else 12.5)
+    assert m.failed is None
+
+
+def test_max_members_caps_a_generation_and_keeps_the_rest_waiting():
+    m = Membership(MembershipSettings(expected_members=3, max_members=2))
+    for member in ("a", "b", "c"):
+        m.join(member, "n", None, 0, now=0.0)
+    generation, _ = m.maybe_form(now=0.0)
+    assert generation is not None and generation.members == ("a", "b")
+    assert m.members["c"].state is MemberState.WAITING
+
+
+def test_a_spare_waiting_beyond_max_members_does_not_make_a_full_generation_reconfigure():
+    m = Membership(MembershipSettings(expected_members=3, max_members=2))
+    for member in ("a", "b", "c"):
+        m.join(member, "n", None, 0, now=0.0)
+    m.maybe_form(now=0.0)
+    assert not m.reconfigure_wanted()
+    m.mark_dead("a", "killed", now=1.0)
+    assert m.reconfigure_wanted()
+    m.join("b", "n", None, 3, now=1.0)
+    generation, _ = m.maybe_form(now=1.0)
+    assert generation is not None and generation.members == ("b", "c")
