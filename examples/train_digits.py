@@ -57,7 +57,8 @@ for step in job.steps(total=args.steps):
     if not step.reduce():
         continue  # a peer failed: this step is redone by the next generation
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # on the global gradient
-    step.commit()
+    if not step.commit():
+        continue
     if step.index % args.log_every == 0 or step.index == args.steps - 1:
         print(f"step {step.index:4d}  loss {step.loss:.4f}  members {step.members}", flush=True)
 

@@ -5,10 +5,13 @@ A schedule is a ``;``-separated list of faults ``KIND@POINT[,key=value...]``, re
 file in the run directory decides which process gets it), the first time a process reaches its
 point with all its conditions true.
 
-Kinds: ``kill`` (SIGKILL this process), ``hang`` (SIGSTOP this process).
+Kinds: ``kill`` (SIGKILL this process), ``hang`` (SIGSTOP this process: heartbeats stop too;
+``kill -CONT`` wakes it), ``spin`` (the training thread loops forever while the heartbeat thread
+keeps running, like a deadlock or a stuck device).
 Points: ``step`` (start of a step), ``allreduce`` (right after the first gradient bucket was sent),
 ``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing source, after the
-transfer began).
+transfer began). ``allreduce`` fires once every gradient bucket has been sent, before waiting.
+Every fault writes a ``fault`` event (kind, point, step, pid) to the run's event log as it fires.
 Conditions: ``rank=`` local rank on its node, ``step=`` the step is at least this,
 ``restart=`` the process's restart count (default 0: only the first incarnation).
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from unbroken.errors import ConfigError
 
-KINDS = ("kill", "hang")
+KINDS = ("kill", "hang", "spin")
 POINTS = ("step", "allreduce", "commit", "heal")
 ENV = "UNBROKEN_CHAOS"
 
@@ -94,4 +97,17 @@ class Chaos:
                 fault.fired = True
                 if not self._claim(index):
                     continue
+                self._record(fault, step)
+                if fault.kind == "spin":
+                    while True:  # noqa: ASYNC110 - a stuck training thread is the point
+                        pass
                 os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+    def _record(self, fault: Fault, step: int) -> None:
+        if self.run_dir is None:
+            return
+        from unbroken.telemetry import EventLog
+
+        log = EventLog.for_run_dir(self.run_dir, f"chaos:{os.environ.get('UNBROKEN_MEMBER_ID', os.getpid())}")
+        log.emit("fault", fault=fault.kind, point=fault.point, step=step, pid=os.getpid(), member=os.environ.get("UNBROKEN_MEMBER_ID"))
+        log.close()

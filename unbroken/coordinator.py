@@ -173,6 +173,7 @@ class Coordinator:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             await self._start_http()
+            print(f"unbroken coordinator listening on {self.settings.host}:{self.port} (store port {self.store_port})", flush=True)
             await self._wait_stopped()
             await self._runner.cleanup()
 

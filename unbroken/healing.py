@@ -30,14 +30,38 @@ class HealPlan:
     step: int
 
 
-def plan(statuses: list[tuple[int, bool]]) -> HealPlan:
-    """Who sends and who receives, from each rank's (next step, fresh). Pure."""
-    best = max(range(len(statuses)), key=lambda r: (statuses[r][0], not statuses[r][1], -r))
-    top_step, top_fresh = statuses[best]
+def plan(statuses: list[tuple[int, ...]]) -> HealPlan:
+    """Who sends and who receives, from each rank's (next step, fresh[, lineage digest]). Pure.
+
+    The source is the lowest rank at the highest step, preferring real state to fresh. A member
+    receives if it is behind, fresh, or at the same step by another history: a step that some
+    member committed in one generation and the others redid in the next gives results equal only
+    up to rounding, and replicas must be bit-identical.
+    """
+    rows = [(row[0], bool(row[1]), row[2] if len(row) > 2 else 0) for row in statuses]
+    best = max(range(len(rows)), key=lambda r: (rows[r][0], not rows[r][1], -r))
+    top_step, top_fresh, top_digest = rows[best]
     receivers = tuple(
-        r for r, (step, fresh) in enumerate(statuses) if r != best and (step < top_step or fresh or top_fresh)
+        r
+        for r, (step, fresh, digest) in enumerate(rows)
+        if r != best and (step < top_step or fresh or top_fresh or digest != top_digest)
     )
     return HealPlan(best, receivers, top_step)
+
+
+_DIGEST_MOD = (1 << 61) - 1
+
+
+def extend_digest(digest: int, generation: int) -> int:
+    """The lineage digest after one more step committed in ``generation``."""
+    return (digest * 1_000_003 + generation + 1) % _DIGEST_MOD
+
+
+def lineage_digest(lineage: list[int]) -> int:
+    digest = 0
+    for generation in lineage:
+        digest = extend_digest(digest, generation)
+    return digest
 
 
 def rng_state() -> dict[str, Any]:

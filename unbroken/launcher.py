@@ -156,6 +156,8 @@ class Launcher:
         self._stop_signal: int | None = None
         self._console_lock = threading.Lock()
         self._error_exits: dict[int, int] = {}
+        self._finished_at: float | None = None
+        self._next_status_check = 0.0
         self.reason = ""
 
     # -- main loop -----------------------------------------------------------------------------
@@ -226,8 +228,33 @@ class Launcher:
             for w in self.workers:
                 if w.state is WorkerState.BACKOFF and now >= w.restart_at:
                     self._spawn(w)
+            self._stop_stragglers_after_finish(now)
             if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED) for w in self.workers):
                 return self._final_code()
+
+    def _stop_stragglers_after_finish(self, now: float) -> None:
+        """Once the job has finished, a worker that has not exited within ``shutdown_grace`` (one
+        stopped by SIGSTOP, say, or stuck) is stopped, so that the launcher itself can end."""
+        if not any(w.state is WorkerState.SUCCEEDED for w in self.workers):
+            return
+        if not any(w.state in (WorkerState.RUNNING, WorkerState.BACKOFF) for w in self.workers):
+            return
+        if self._finished_at is None:
+            if now < self._next_status_check:
+                return
+            self._next_status_check = now + 0.5
+            if self._job_finished():
+                self._finished_at = now
+            return
+        if now - self._finished_at < self.settings.shutdown_grace:
+            return
+        for w in self.workers:
+            if w.state is WorkerState.BACKOFF:
+                w.state = WorkerState.STOPPED
+            elif w.state is WorkerState.RUNNING and w.proc is not None:
+                self._say(f"the job finished; stopping worker {w.local_rank}, which did not exit")
+                w.state = WorkerState.STOPPED
+                _signal_group(w.proc, signal.SIGKILL)
 
     def _final_code(self) -> int:
         finished = self._job_finished()
@@ -257,7 +284,7 @@ class Launcher:
         how = _describe_exit(code)
         worker.exits.append({"member": worker.member_id, "code": code, "how": how, "t": time.time()})
         self.events.emit("worker_exit", member=worker.member_id, local_rank=worker.local_rank, code=code, how=how)
-        if self._stop_signal is not None:
+        if self._stop_signal is not None or worker.state is WorkerState.STOPPED:
             worker.state = WorkerState.STOPPED
             return None
         if code == 0:

@@ -69,6 +69,9 @@ class RuntimeSettings:
     """Longest wait for a generation to form (``UNBROKEN_JOIN_TIMEOUT``)."""
     bucket_cap_mb: float = 25.0
     """Size of a gradient allreduce bucket in MB (``UNBROKEN_BUCKET_CAP_MB``)."""
+    verify_every: int = 0
+    """Also compare a hash of every member's parameters and buffers every this many steps
+    (``UNBROKEN_VERIFY_EVERY``); 0 compares them only at the end. Costs a hash and a small allreduce."""
     record_samples: bool = False
     """Log the stream positions of every step attempt to ``<run dir>/samples`` (``UNBROKEN_RECORD_SAMPLES``)."""
 
@@ -88,7 +91,12 @@ class RuntimeSettings:
             raw = os.environ.get(f"UNBROKEN_{f.name.upper()}")
             if raw is None or raw == "":
                 continue
-            if f.type in ("float",):
+            if f.type in ("int",):
+                try:
+                    values[f.name] = int(raw)
+                except ValueError:
+                    raise ConfigError(f"UNBROKEN_{f.name.upper()}={raw!r} is not an integer (setting {f.name})") from None
+            elif f.type in ("float",):
                 try:
                     values[f.name] = float(raw)
                 except ValueError:
@@ -185,6 +193,7 @@ class Step:
         try:
             self._arm()
             flag, loss = job._reducer.finish(lambda: job._chaos.point("allreduce", self.index))
+            job._sync_buffers()
             self.reconfigure = flag > 0
             self.loss = loss
             self._reduced = True
@@ -264,6 +273,7 @@ class Job:
         self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
         self.next_step = 0
         self.lineage: list[int] = []
+        self._digest = 0  # healing.lineage_digest(self.lineage), kept up to date
         self.fresh = True
         self.generation = 0
         self.member_index = 0
@@ -319,7 +329,7 @@ class Job:
                         break
                     continue
                 if self.next_step >= total:
-                    if self._final_check():
+                    if self._verify_replicas():
                         finished = True
                         break
                     continue
@@ -336,6 +346,8 @@ class Job:
                     self._abandon(str(step.error))
                 elif step.reconfigure:
                     self._close_group()
+                elif self.settings.verify_every and self.next_step % self.settings.verify_every == 0 and self.next_step < total:
+                    self._verify_replicas()
         finally:
             self._stop(finished)
 
@@ -413,11 +425,11 @@ class Job:
                 after=self.generation,
             )
             if reply["status"] == "finished":
-                if self.fresh and self.next_step == 0:
-                    # A restarted or late member that never trained: the job ended while it was
-                    # starting. End the process quietly rather than let the script go on with an
-                    # untrained model as if it had trained.
-                    print(f"unbroken: {self.member_id}: the job finished before this member could join; exiting", file=sys.stderr, flush=True)
+                if self.fresh or self.total is None or self.next_step < self.total:
+                    # A member that is behind (restarted, late, or cut off until the end): the job
+                    # ended without it. End the process quietly rather than let the script go on
+                    # with a stale model as if it had trained.
+                    print(f"unbroken: {self.member_id}: the job finished before this member could rejoin; exiting", file=sys.stderr, flush=True)
                     self._stop(finished=False)
                     raise SystemExit(0)
                 log.info("%s: the job has finished; nothing to join", self.member_id)
@@ -455,6 +467,26 @@ class Job:
             log.info("%s: generation %d, member %d of %d, at step %d", self.member_id, number, group.rank, group.size, self.next_step)
             return True
 
+    def _sync_buffers(self) -> None:
+        """Give every member the buffers (BatchNorm statistics, ...) of the generation's rank 0,
+        as DDP does, so that replicas stay identical."""
+        buffers = [b for b in self.model.buffers() if b.numel()]
+        if not buffers:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([b.detach().reshape(-1) for b in group])
+            if self.member_index != 0:
+                flat.zero_()
+            self._group.allreduce(flat, "buffer broadcast")
+            offset = 0
+            with torch.no_grad():
+                for b in group:
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
+
     def _blocked(self, what: str | None) -> None:
         if self._heartbeat is not None:
             self._heartbeat.blocked_on = what
@@ -469,8 +501,9 @@ class Job:
         return self._store
 
     def _heal(self, group: Any) -> None:
-        table = group.allgather_rows(torch.tensor([self.next_step, int(self.fresh)], dtype=torch.int64), "state exchange")
-        statuses = [(int(step), bool(fresh)) for step, fresh in table.tolist()]
+        row = torch.tensor([self.next_step, int(self.fresh), self._digest], dtype=torch.int64)
+        table = group.allgather_rows(row, "state exchange")
+        statuses = [(int(step), bool(fresh), int(digest)) for step, fresh, digest in table.tolist()]
         plan = healing.plan(statuses)
         if not plan.receivers:
             return
@@ -518,6 +551,7 @@ class Job:
             self.extra_state.load_state_dict(state["extra"])
         self.next_step = state["runtime"]["next_step"]
         self.lineage = list(state["runtime"]["lineage"])
+        self._digest = healing.lineage_digest(self.lineage)
         healing.set_rng_state(state["rng"])
         if self._heartbeat is not None:
             self._heartbeat.step = self.next_step
@@ -525,6 +559,7 @@ class Job:
     def _committed(self, step: Step) -> None:
         self.next_step = step.index + 1
         self.lineage.append(step.generation)
+        self._digest = healing.extend_digest(self._digest, step.generation)
         self.fresh = False
         if self._heartbeat is not None:
             self._heartbeat.step = self.next_step
@@ -557,8 +592,10 @@ class Job:
             self._group.pg = None  # nothing is pending on it: safe to destroy
             self._group = None
 
-    def _final_check(self) -> bool:
-        """Exchange a hash of the parameters and buffers; all members must agree."""
+    def _verify_replicas(self) -> bool:
+        """Exchange a hash of the parameters and buffers; all members must agree.
+
+        Returns False (after abandoning the generation) if the exchange itself failed."""
         digest = hashlib.sha256()
         for name, tensor in self.model.state_dict().items():
             digest.update(name.encode())

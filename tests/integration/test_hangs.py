@@ -1,0 +1,137 @@
+"""Hung and stuck members, and a quorum that is not met (issue: hangs, lost nodes, partitions)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration import harness
+from tests.integration.conftest import GLOBAL, STEPS
+from tests.integration.test_survival import check_same_model_and_replicas
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def start(argv, run_dir):
+    return subprocess.Popen(
+        [sys.executable, "-m", "unbroken", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, cwd=run_dir,
+    )
+
+
+def finish(proc, run_dir, timeout=180):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"did not end within {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
+    finally:
+        if run_dir:
+            harness.kill_leftovers(run_dir)
+    return out, err
+
+
+def test_a_stopped_worker_is_dropped_within_the_heartbeat_timeout_and_rejoins_without_stale_commits(tmp_path, reference):
+    run_dir = str(tmp_path / "run")
+    heartbeat_timeout = 2.0
+    proc = start(
+        ["run", "--run-dir", run_dir, "--nproc-per-node", "4", "--record-samples",
+         "--heartbeat-interval", "0.25", "--heartbeat-timeout", str(heartbeat_timeout),
+         "--chaos", "hang@step,rank=2,step=10",
+         harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.1", "--out", f"{run_dir}/final"],
+        str(tmp_path),
+    )
+    run = harness.Run(0, "", "", run_dir)
+    try:
+        fault = wait_for(lambda: run.events("fault"), 120, "the worker to stop itself")[0]
+        first = wait_for(lambda: [e for e in run.events("step") if e["t"] > fault["t"]], 60, "the others to commit again")[0]
+        stall = first["t"] - fault["t"]
+        assert first["members"] == 3
+        verdicts = [e for e in run.events("verdict") if e["member"] == fault["member"]]
+        assert verdicts and verdicts[0]["detected_by"] == "heartbeat"
+        os.kill(fault["pid"], signal.SIGCONT)
+    finally:
+        out, err = finish(proc, run_dir)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert stall < heartbeat_timeout + 1.0, f"survivors stalled {stall:.2f} s"
+    # It woke up, noticed, rejoined under its own name and was healed; it was never restarted.
+    workers = {w["local_rank"]: w for w in run.summary()["workers"]}
+    assert workers[2]["restarts"] == 0
+    assert any(fault["member"] in e["receivers"] and e["t"] > fault["t"] for e in run.events("heal"))
+    harness.check_exactly_once(run_dir, STEPS, GLOBAL)
+    check_same_model_and_replicas(run, reference)
+
+
+def test_a_worker_stuck_in_its_training_loop_is_evicted_and_the_others_continue(tmp_path, reference):
+    run_dir = str(tmp_path / "run")
+    run = harness.unbroken(
+        run_dir, "--nproc-per-node", "4", "--record-samples",
+        "--heartbeat-interval", "0.25", "--heartbeat-timeout", "2", "--progress-timeout", "3", "--collective-timeout", "10",
+        "--chaos", "spin@step,rank=1,step=8",
+        harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.1", "--out", f"{run_dir}/final",
+    )
+    assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    fault = run.events("fault")[0]
+    verdict = [e for e in run.events("verdict") if e["member"] == fault["member"]][0]
+    assert verdict["detected_by"] == "progress watchdog"
+    after = [e for e in run.events("generation") if e["t"] > verdict["t"]]
+    assert fault["member"] not in after[0]["members"] and len(after[0]["members"]) == 3
+    workers = {w["local_rank"]: w for w in run.summary()["workers"]}
+    assert workers[1]["restarts"] == 1  # it ended itself; its launcher restarted it
+    harness.check_exactly_once(run_dir, STEPS, GLOBAL)
+    check_same_model_and_replicas(run, reference)
+
+
+def coordinator(tmp_path, *flags):
+    proc = start(["coordinator", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(tmp_path / "coord"), *flags], str(tmp_path))
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+def node(tmp_path, address, name, *args):
+    run_dir = str(tmp_path / name)
+    return start(["run", "--run-dir", run_dir, "--coordinator", address, "--node-name", name, "--nproc-per-node", "1", harness.EXACT, "--steps", "10", *args], str(tmp_path)), run_dir
+
+
+def test_training_waits_below_the_minimum_and_starts_when_a_node_joins(tmp_path):
+    coord, address = coordinator(tmp_path, "--min-members", "2", "--start-grace", "1", "--quorum-timeout", "120")
+    try:
+        a, a_dir = node(tmp_path, address, "a")
+        status = lambda: harness.command(["status", address, "--json"], None, 30)  # noqa: E731
+        wait_for(lambda: '"state": "waiting"' in status().stdout, 120, "node a to wait for a generation")
+        assert '"generation": 0' in status().stdout  # still waiting: below the minimum
+        b, b_dir = node(tmp_path, address, "b")
+        out_a, err_a = finish(a, a_dir)
+        out_b, err_b = finish(b, b_dir)
+        assert a.returncode == 0 and b.returncode == 0, err_a[-2000:] + err_b[-2000:]
+        assert "step 9 loss" in out_a
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait()
+
+
+def test_staying_below_the_minimum_past_the_quorum_timeout_ends_with_a_clear_error(tmp_path):
+    coord, address = coordinator(tmp_path, "--min-members", "2", "--start-grace", "1", "--quorum-timeout", "3")
+    try:
+        a, a_dir = node(tmp_path, address, "a")
+        out, err = finish(a, a_dir, timeout=120)
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait()
+    assert a.returncode == 1
+    assert "below the minimum of 2" in err and "quorum_timeout" in err
