@@ -6,7 +6,10 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from unbroken.launcher import LaunchSettings
 
 from unbroken.errors import ConfigError, UnbrokenError
 
@@ -71,25 +74,41 @@ def _nnodes(text: str, nproc: int) -> tuple[int, int | None]:
     return lo * nproc, hi * nproc
 
 
-def _run(args: argparse.Namespace) -> int:
+def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "LaunchSettings":
+    """The launcher's settings from the flags, completed from SLURM's environment under srun."""
     import socket
 
-    from unbroken.launcher import Launcher, LaunchSettings
+    from unbroken import slurm
+    from unbroken.launcher import LaunchSettings
 
+    nproc = _positive_int("--nproc-per-node", args.nproc_per_node)
     min_members, max_members = args.min_members, args.max_members
     if args.nnodes:
-        min_members, max_members = _nnodes(args.nnodes, _positive_int("--nproc-per-node", args.nproc_per_node))
-    settings = LaunchSettings(
+        min_members, max_members = _nnodes(args.nnodes, nproc)
+    coordinator, host, port = args.coordinator, args.coordinator_host, args.coordinator_port
+    node, advertise, expected = args.node_name or socket.gethostname(), None, None
+    under_slurm = slurm.from_env(env) if args.coordinator is None else None
+    if under_slurm is not None:
+        node = args.node_name or under_slurm.node
+        if under_slurm.hosts_coordinator:
+            host, port = "0.0.0.0", args.coordinator_port or under_slurm.port
+            advertise = under_slurm.nodes[0]
+            expected = len(under_slurm.nodes) * nproc
+        else:
+            coordinator = under_slurm.coordinator
+    return LaunchSettings(
         script=args.script,
         script_args=tuple(args.script_args),
-        nproc_per_node=_positive_int("--nproc-per-node", args.nproc_per_node),
+        nproc_per_node=nproc,
         max_restarts=args.max_restarts,
         restart_backoff=args.restart_backoff,
         run_dir=args.run_dir,
-        coordinator=args.coordinator,
-        coordinator_host=args.coordinator_host,
-        coordinator_port=args.coordinator_port,
-        node=args.node_name or socket.gethostname(),
+        coordinator=coordinator,
+        coordinator_host=host,
+        coordinator_port=port,
+        coordinator_advertise=advertise,
+        expected_members=expected,
+        node=node,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
         collective_timeout=args.collective_timeout,
@@ -102,7 +121,14 @@ def _run(args: argparse.Namespace) -> int:
         quorum_timeout=args.quorum_timeout,
         start_grace=args.start_grace,
     )
-    return Launcher(settings).run()
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+
+    from unbroken.launcher import Launcher
+
+    return Launcher(launch_settings(args, os.environ)).run()
 
 
 def _coordinator(args: argparse.Namespace) -> int:

@@ -66,6 +66,10 @@ class LaunchSettings:
     """Address the embedded coordinator binds."""
     coordinator_port: int = 0
     """Port of the embedded coordinator (0: any free port)."""
+    coordinator_advertise: str | None = None
+    """Host name other nodes use to reach the embedded coordinator's store (default: its bind address)."""
+    expected_members: int | None = None
+    """Workers the embedded coordinator's first generation waits for (default: this node's, or --min-members)."""
     node: str = field(default_factory=socket.gethostname)
     """Name of this node in member ids."""
     heartbeat_interval: float = 0.5
@@ -197,10 +201,14 @@ class Launcher:
         from unbroken.membership import MembershipSettings
 
         self.coordinator = Coordinator(
-            CoordinatorSettings(host=self.settings.coordinator_host, port=self.settings.coordinator_port),
+            CoordinatorSettings(
+                host=self.settings.coordinator_host,
+                port=self.settings.coordinator_port,
+                advertise_host=self.settings.coordinator_advertise,
+            ),
             MembershipSettings(
                 heartbeat_timeout=self.settings.heartbeat_timeout,
-                expected_members=max(len(self.workers), self.settings.min_members),
+                expected_members=self.settings.expected_members or max(len(self.workers), self.settings.min_members),
                 min_members=self.settings.min_members,
                 max_members=self.settings.max_members,
                 progress_timeout=self.settings.progress_timeout,
@@ -209,7 +217,8 @@ class Launcher:
             ),
             EventLog.for_run_dir(self.run_dir, "coordinator"),
         ).start_in_thread()
-        self.address = self.coordinator.address
+        host = "127.0.0.1" if self.settings.coordinator_host == "0.0.0.0" else self.settings.coordinator_host
+        self.address = f"{host}:{self.coordinator.port}"
 
     def _supervise(self) -> int:
         while True:

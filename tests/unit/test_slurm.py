@@ -1,0 +1,66 @@
+"""SLURM: host lists and what `unbroken run` takes from SLURM's environment."""
+
+import pytest
+
+from unbroken import slurm
+from unbroken.cli import build_parser, launch_settings
+from unbroken.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        ("node1", ["node1"]),
+        ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),
+        ("gpu[01-02,07],login1", ["gpu01", "gpu02", "gpu07", "login1"]),
+        ("a[8-11]-ib", ["a8-ib", "a9-ib", "a10-ib", "a11-ib"]),
+        ("x[1],y[2-3]", ["x1", "y2", "y3"]),
+    ],
+)
+def test_slurm_host_lists_expand_to_node_names(text, names):
+    assert slurm.expand_hostlist(text) == names
+
+
+@pytest.mark.parametrize("text", ["gpu[01-", "gpu[a-b]", "gpu]1["])
+def test_an_unreadable_host_list_is_a_clear_error(text):
+    with pytest.raises(ConfigError, match="SLURM host list"):
+        slurm.expand_hostlist(text)
+
+
+ENV = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu02"}
+
+
+def test_outside_slurm_nothing_is_taken_from_the_environment():
+    assert slurm.from_env({}) is None
+
+
+def test_a_node_learns_its_name_and_the_first_node_as_coordinator():
+    node = slurm.from_env(ENV)
+    assert node.node == "gpu02" and node.node_index == 1 and not node.hosts_coordinator
+    assert node.coordinator == "gpu01:29400"
+    assert slurm.from_env({**ENV, "SLURM_NODEID": "0", "UNBROKEN_COORDINATOR_PORT": "31000"}).coordinator == "gpu01:31000"
+
+
+@pytest.mark.parametrize("env, message", [({"SLURM_JOB_ID": "1"}, "SLURM_JOB_NODELIST"), ({**ENV, "SLURM_NODEID": "9"}, "SLURM_NODEID=9")])
+def test_inconsistent_slurm_variables_are_clear_errors(env, message):
+    with pytest.raises(ConfigError, match=message):
+        slurm.from_env(env)
+
+
+def _args(tmp_path, *extra):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    return build_parser().parse_args(["run", "--nproc-per-node", "4", *extra, str(script)])
+
+
+def test_under_srun_the_first_node_hosts_the_coordinator_for_every_node(tmp_path):
+    first = launch_settings(_args(tmp_path), {**ENV, "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu01"})
+    assert first.coordinator is None and first.coordinator_host == "0.0.0.0" and first.coordinator_port == 29400
+    assert first.coordinator_advertise == "gpu01" and first.expected_members == 12 and first.node == "gpu01"
+    other = launch_settings(_args(tmp_path), ENV)
+    assert other.coordinator == "gpu01:29400" and other.node == "gpu02"
+
+
+def test_explicit_flags_beat_slurm(tmp_path):
+    settings = launch_settings(_args(tmp_path, "--coordinator", "head:1234", "--node-name", "mine"), ENV)
+    assert settings.coordinator == "head:1234" and settings.node == "mine"

@@ -1,0 +1,90 @@
+"""Running under SLURM: take the coordinator address and the node's identity from SLURM.
+
+``srun --ntasks-per-node=1 unbroken run --nproc-per-node 8 train.py`` starts one launcher per
+node. The first node of the allocation (``SLURM_NODEID`` 0) hosts the coordinator on a fixed port
+(``UNBROKEN_COORDINATOR_PORT``, default 29400); every node, that one included, runs its workers
+against it. The node's name is ``SLURMD_NODENAME``. Explicit flags always win over what is read
+here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from unbroken.errors import ConfigError
+
+DEFAULT_PORT = 29400
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """What one ``unbroken run`` learns from SLURM's environment."""
+
+    node: str
+    node_index: int
+    nodes: tuple[str, ...]
+    coordinator: str
+    hosts_coordinator: bool
+    port: int
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Expand SLURM's compressed host list, e.g. ``gpu[01-03,07],login1`` into names."""
+    names: list[str] = []
+    for item in _split_top_level(text.strip()):
+        match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", item)
+        if match is None:
+            if "[" in item or "]" in item or not item:
+                raise ConfigError(f"cannot read the SLURM host list {text!r} (at {item!r})")
+            names.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            low, dash, high = part.partition("-")
+            if not low.isdigit() or (dash and not high.isdigit()):
+                raise ConfigError(f"cannot read the SLURM host list {text!r} (at {part!r})")
+            width = len(low)
+            for number in range(int(low), int(high if dash else low) + 1):
+                names.append(f"{prefix}{number:0{width}d}{suffix}")
+    return names
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, current = [], 0, ""
+    for char in text:
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        current += char
+    items.append(current)
+    return [i for i in items if i]
+
+
+def from_env(env: Mapping[str, str]) -> SlurmNode | None:
+    """This node under SLURM, or None outside a SLURM job step."""
+    if "SLURM_JOB_ID" not in env:
+        return None
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError("SLURM_JOB_ID is set but SLURM_JOB_NODELIST is not: run unbroken under srun, or pass --coordinator")
+    nodes = tuple(expand_hostlist(nodelist))
+    try:
+        index = int(env.get("SLURM_NODEID", "0"))
+        port = int(env.get("UNBROKEN_COORDINATOR_PORT", str(DEFAULT_PORT)))
+    except ValueError as exc:
+        raise ConfigError(f"bad SLURM_NODEID or UNBROKEN_COORDINATOR_PORT: {exc}") from None
+    if not 0 <= index < len(nodes):
+        raise ConfigError(f"SLURM_NODEID={index} is not an index into the {len(nodes)} nodes of SLURM_JOB_NODELIST")
+    name = env.get("SLURMD_NODENAME") or nodes[index]
+    return SlurmNode(
+        node=name,
+        node_index=index,
+        nodes=nodes,
+        coordinator=f"{nodes[0]}:{port}",
+        hosts_coordinator=index == 0,
+        port=port,
+    )
