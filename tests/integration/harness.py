@@ -107,7 +107,7 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return worst
 
 
-def check_exactly_once(run_dir: str, steps: int, global_batch_size: int) -> dict[str, Any]:
+def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: int) -> dict[str, Any]:
     """Every stream position of steps [0, steps) was applied in exactly one committed step.
 
     The lineage (the generation that committed each step, carried in the healed state) comes from
@@ -115,8 +115,9 @@ def check_exactly_once(run_dir: str, steps: int, global_batch_size: int) -> dict
     sample logs. The committed attempt of step s is generation lineage[s]: its members' shares
     must cover [s*G, (s+1)*G) exactly once.
     """
+    dirs = [run_dir] if isinstance(run_dir, str) else run_dir
     lineages = []
-    for path in glob.glob(os.path.join(run_dir, "samples", "*.lineage.json")):
+    for path in (p for d in dirs for p in glob.glob(os.path.join(d, "samples", "*.lineage.json"))):
         with open(path) as f:
             lineages.append(json.load(f)["lineage"])
     assert lineages, "no member finished with a lineage"
@@ -124,7 +125,7 @@ def check_exactly_once(run_dir: str, steps: int, global_batch_size: int) -> dict
     lineage = lineages[0]
     assert len(lineage) == steps, f"{len(lineage)} steps committed, expected {steps}"
     attempts: dict[tuple[int, int], list[dict[str, int]]] = {}
-    for path in glob.glob(os.path.join(run_dir, "samples", "*.jsonl")):
+    for path in (p for d in dirs for p in glob.glob(os.path.join(d, "samples", "*.jsonl"))):
         with open(path) as f:
             for line in f:
                 record = json.loads(line)

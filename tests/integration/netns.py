@@ -1,0 +1,89 @@
+"""Test hosts as network namespaces on one machine: a bridge, one namespace per host with a veth
+pair into the bridge and an address of its own on a subnet made for the test.
+
+The hosts talk only among themselves. Everything is removed in every outcome (the context
+manager's exit), and only processes started inside these namespaces are ever killed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def why_not_available() -> str | None:
+    """A reason to skip, or None when namespaces can be made here."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    probe = f"ubprobe{os.getpid() % 10000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class Hosts:
+    def __init__(self, count: int) -> None:
+        tag = f"ub{os.getpid() % 10000}"
+        self.bridge = f"{tag}br"
+        self.names = [f"{tag}h{i}" for i in range(count)]
+        self.links = [f"{tag}v{i}" for i in range(count)]
+        subnet = 10 + os.getpid() % 200
+        self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(count)]
+
+    def _ip(self, *args: str, ns: str | None = None) -> None:
+        cmd = (["ip", "netns", "exec", ns] if ns else []) + ["ip", *args]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    def create(self) -> None:
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._ip("link", "set", self.bridge, "up")
+        for ns, link, address in zip(self.names, self.links, self.addresses):
+            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+            self._ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._ip("link", "set", link, "master", self.bridge)
+            self._ip("link", "set", link, "up")
+            self._ip("addr", "add", f"{address}/24", "dev", "eth0", ns=ns)
+            self._ip("link", "set", "eth0", "up", ns=ns)
+            self._ip("link", "set", "lo", "up", ns=ns)
+
+    def cut(self, index: int) -> None:
+        """Partition a host: its link into the bridge goes down."""
+        self._ip("link", "set", self.links[index], "down")
+
+    def restore(self, index: int) -> None:
+        self._ip("link", "set", self.links[index], "up")
+
+    def popen(self, index: int, argv: list[str], **kwargs) -> subprocess.Popen:
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
+        return subprocess.Popen(["ip", "netns", "exec", self.names[index], *argv], env=env, start_new_session=True, **kwargs)
+
+    def destroy(self) -> None:
+        for ns in self.names:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for link in self.links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+@contextmanager
+def hosts(count: int) -> Iterator[Hosts]:
+    made = Hosts(count)
+    try:
+        made.create()
+        yield made
+    finally:
+        made.destroy()

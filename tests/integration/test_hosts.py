@@ -1,0 +1,108 @@
+"""Three hosts as network namespaces: a partitioned host and a lost node (launcher and workers
+killed together) leave the others training; the cut-off host rejoins without stale commits and a
+new node joins later; the result equals a failure-free run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration import harness, netns
+from tests.integration.conftest import GLOBAL, STEPS
+
+pytestmark = [pytest.mark.slow]
+
+REASON = netns.why_not_available()
+
+
+def events(dirs, kind):
+    out = []
+    for d in dirs:
+        out += harness.Run(0, "", "", d).events(kind)
+    return sorted(out, key=lambda e: e["t"])
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, reference):
+    base = str(tmp_path)
+    coord_dir = os.path.join(base, "coord")
+    dirs = [coord_dir] + [os.path.join(base, n) for n in ("h0", "h1", "h2", "h1-new")]
+    final = os.path.join(base, "final")
+    procs = []
+    with netns.hosts(3) as hosts:
+        address = f"{hosts.addresses[0]}:29400"
+
+        def node(index, name):
+            proc = hosts.popen(
+                index,
+                [sys.executable, "-m", "unbroken", "run", "--coordinator", address, "--node-name", name,
+                 "--nproc-per-node", "1", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "2",
+                 "--record-samples", "--run-dir", os.path.join(base, name),
+                 harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.4", "--out", final],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            procs.append(proc)
+            return proc
+
+        def generations():
+            return events([coord_dir], "generation")
+
+        try:
+            procs.append(hosts.popen(0, [sys.executable, "-m", "unbroken", "coordinator", "--host", hosts.addresses[0],
+                                         "--port", "29400", "--store-port", "29401", "--advertise-host", hosts.addresses[0],
+                                         "--expected-members", "3", "--heartbeat-timeout", "2", "--progress-timeout", "4",
+                                         "--run-dir", coord_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            h0, h1, h2 = node(0, "h0"), node(1, "h1"), node(2, "h2")
+            wait_for(lambda: [g for g in generations() if len(g["members"]) == 3], 120, "three hosts in a generation")
+            wait_for(lambda: len(events(dirs, "step")) >= 4, 60, "training to start")
+
+            # 1. Partition h2: the others go on without it; it commits nothing meanwhile.
+            hosts.cut(2)
+            t_cut = time.time()
+            without = wait_for(lambda: [g for g in generations() if g["t"] > t_cut and "h2.w0.r0" not in g["members"]], 60, "a generation without h2")[0]
+            wait_for(lambda: len([e for e in events(dirs, "step") if e["t"] > without["t"]]) >= 3, 60, "steps without h2")
+            hosts.restore(2)
+            t_restore = time.time()
+            wait_for(lambda: [e for e in events(dirs, "heal") if "h2.w0.r0" in e["receivers"] and e["t"] > t_restore], 90, "h2 to rejoin and be healed")
+
+            # 2. Lose node h1 whole: its launcher and its worker die together.
+            worker = events([os.path.join(base, "h1")], "worker_start")[-1]["pid"]
+            os.killpg(h1.pid, signal.SIGKILL)
+            os.killpg(worker, signal.SIGKILL)
+            t_kill = time.time()
+            lost = wait_for(lambda: [g for g in generations() if g["t"] > t_kill and "h1.w0.r0" not in g["members"]], 60, "a generation without h1")[0]
+            wait_for(lambda: len([e for e in events(dirs, "step") if e["t"] > lost["t"]]) >= 2, 60, "steps without h1")
+
+            # 3. A new node starts later, joins and is healed.
+            new = node(1, "h1-new")
+            for proc in (h0, h2, new):
+                out, err = proc.communicate(timeout=180)
+                assert proc.returncode == 0, err[-3000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            for d in dirs:
+                harness.kill_leftovers(d)
+
+    assert any("h1-new.w0.r0" in e["receivers"] for e in events(dirs, "heal"))
+    harness.check_exactly_once(dirs, STEPS, GLOBAL)
+    finals = harness.final_params(final)
+    assert {"h0.w0.r0", "h2.w0.r0", "h1-new.w0.r0"} <= set(finals)
+    for member in ("h0.w0.r0", "h2.w0.r0", "h1-new.w0.r0"):
+        assert harness.max_relative_difference(finals[member], reference["single"]) < 1e-8, member
+    assert len({e["hash"] for e in events(dirs, "replicas")}) == 1
