@@ -90,12 +90,13 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
     under_slurm = slurm.from_env(env) if args.coordinator is None else None
     if under_slurm is not None:
         node = args.node_name or under_slurm.node
+        port = args.coordinator_port or under_slurm.port  # the same on every node
         if under_slurm.hosts_coordinator:
-            host, port = "0.0.0.0", args.coordinator_port or under_slurm.port
+            host = "0.0.0.0"
             advertise = under_slurm.nodes[0]
             expected = len(under_slurm.nodes) * nproc
         else:
-            coordinator = under_slurm.coordinator
+            coordinator = f"{under_slurm.nodes[0]}:{port}"
     return LaunchSettings(
         script=args.script,
         script_args=tuple(args.script_args),

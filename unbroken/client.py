@@ -33,6 +33,8 @@ class CoordinatorClient:
     def __init__(self, address: str, timeout: float = 30.0) -> None:
         self.host, self.port = parse_address(address)
         self.timeout = timeout
+        self.last_ok = time.monotonic()
+        """When (monotonic) the coordinator last answered any request: the member's lease."""
         self._local = threading.local()
 
     def _connection(self, read_timeout: float) -> http.client.HTTPConnection:
@@ -64,6 +66,7 @@ class CoordinatorClient:
                 data = response.read()
                 if response.status != 200:
                     raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
+                self.last_ok = time.monotonic()
                 return json.loads(data)
             except (OSError, http.client.HTTPException) as exc:
                 self._drop()
@@ -99,7 +102,6 @@ class Heartbeat:
         self.step = 0
         self.blocked_on: str | None = None
         self.view: dict[str, Any] = {}
-        self.last_reply = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
 
@@ -115,7 +117,9 @@ class Heartbeat:
             try:
                 view = self.client.post(
                     "/v1/heartbeat",
-                    read_timeout=self.interval + 10.0,
+                    # the coordinator holds the reply at most `interval`; a longer silence is a lost
+                    # connection (a partition), which must not outlive the member's lease
+                    read_timeout=self.interval + 2.0,
                     member=self.member,
                     step=self.step,
                     blocked_on=self.blocked_on,
@@ -126,7 +130,6 @@ class Heartbeat:
                 log.debug("heartbeat failed: %s", exc)
                 self._stop.wait(self.interval)
                 continue
-            self.last_reply = time.monotonic()
             if view != self.view:
                 self.view = view
                 self.on_change(view)

@@ -106,6 +106,12 @@ class LaunchSettings:
             raise ConfigError("need 0 < --heartbeat-interval < --heartbeat-timeout")
         if self.heartbeat_timeout >= self.collective_timeout:
             raise ConfigError("need --heartbeat-timeout < --collective-timeout")
+        if not self.heartbeat_timeout > 2 * self.heartbeat_interval:
+            raise ConfigError("need --heartbeat-timeout > 2 x --heartbeat-interval (a worker's lease is their difference)")
+        if not 0 < self.heartbeat_timeout <= self.progress_timeout:
+            raise ConfigError("need --heartbeat-timeout <= --progress-timeout, so that a stopped worker is judged by its heartbeats")
+        if self.quorum_timeout <= 0:
+            raise ConfigError("--quorum-timeout must be positive")
         if self.progress_timeout >= self.collective_timeout:
             raise ConfigError("need --progress-timeout < --collective-timeout, so that a stuck worker is evicted before its peers give up")
         if self.min_members < 1 or (self.max_members is not None and self.max_members < self.min_members):
@@ -244,8 +250,6 @@ class Launcher:
     def _stop_stragglers_after_finish(self, now: float) -> None:
         """Once the job has finished, a worker that has not exited within ``shutdown_grace`` (one
         stopped by SIGSTOP, say, or stuck) is stopped, so that the launcher itself can end."""
-        if not any(w.state is WorkerState.SUCCEEDED for w in self.workers):
-            return
         if not any(w.state in (WorkerState.RUNNING, WorkerState.BACKOFF) for w in self.workers):
             return
         if self._finished_at is None:
@@ -346,7 +350,9 @@ class Launcher:
                 "UNBROKEN_RESTART_COUNT": str(worker.restarts),
                 "UNBROKEN_HEARTBEAT_INTERVAL": str(s.heartbeat_interval),
                 "UNBROKEN_COLLECTIVE_TIMEOUT": str(s.collective_timeout),
-                "UNBROKEN_LEASE": str(s.heartbeat_timeout),
+                # The lease ends one heartbeat interval before the coordinator's deadline, so that a
+                # member cut off from the coordinator stops committing before it is declared dead.
+                "UNBROKEN_LEASE": str(s.heartbeat_timeout - s.heartbeat_interval),
                 "LOCAL_RANK": str(worker.local_rank),
                 "LOCAL_WORLD_SIZE": str(len(self.workers)),
                 "PYTHONUNBUFFERED": "1",

@@ -398,7 +398,7 @@ class Job:
 
     def _abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
         view = self._heartbeat.view if self._heartbeat else {}
-        silent = time.monotonic() - self._heartbeat.last_reply if self._heartbeat else 0.0
+        silent = time.monotonic() - self._client.last_ok if self._client else 0.0
         if silent > self.settings.lease:
             return f"no reply from the coordinator for {silent:.1f} s (lease {self.settings.lease:.1f} s)"
         if view.get("state") == "dead":

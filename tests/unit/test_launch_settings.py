@@ -60,8 +60,8 @@ def test_the_heartbeat_timeout_must_be_below_the_collective_timeout(script, coll
 
 
 def test_timeouts_in_the_required_order_are_accepted(script):
-    s = LaunchSettings(script=script, heartbeat_interval=0.1, heartbeat_timeout=0.2, progress_timeout=0.25, collective_timeout=0.3)
-    assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout) == (0.1, 0.2, 0.3)
+    s = LaunchSettings(script=script, heartbeat_interval=0.09, heartbeat_timeout=0.2, progress_timeout=0.25, collective_timeout=0.3)
+    assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout) == (0.09, 0.2, 0.3)
 
 
 def test_a_progress_timeout_not_below_the_collective_timeout_is_refused(script):
