@@ -8,9 +8,9 @@ point with all its conditions true.
 Kinds: ``kill`` (SIGKILL this process), ``hang`` (SIGSTOP this process: heartbeats stop too;
 ``kill -CONT`` wakes it), ``spin`` (the training thread loops forever while the heartbeat thread
 keeps running, like a deadlock or a stuck device).
-Points: ``step`` (start of a step), ``allreduce`` (right after the first gradient bucket was sent),
-``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing source, after the
-transfer began). ``allreduce`` fires once every gradient bucket has been sent, before waiting.
+Points: ``step`` (start of a step), ``allreduce`` (every gradient bucket of the step was sent, none
+waited for yet), ``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing
+source, after the transfer began).
 Every fault writes a ``fault`` event (kind, point, step, pid) to the run's event log as it fires.
 Conditions: ``rank=`` local rank on its node, ``step=`` the step is at least this,
 ``restart=`` the process's restart count (default 0: only the first incarnation).

@@ -165,6 +165,8 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"generation {status['generation']}  committed step {status['committed_step']}  live {status['live']}  finished {status['finished']}")
+    if status.get("failed"):
+        print(f"failed: {status['failed']}")
     for m in status["members"]:
         print(f"  {m['member']:<28} {m['state']:<8} step {m['step']:<7} heartbeat {m['heartbeat_age']:.1f} s ago" + (f"  ({m['reason']})" if m["reason"] else ""))
     return 0

@@ -12,13 +12,15 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
                             ``after`` that includes ``member``. Replies ``{status: "formed",
                             generation, members, rank, prefix, store_host, store_port}``,
                             ``{status: "wait"}`` (poll again) or ``{status: "finished"}``.
-``POST /v1/heartbeat``      ``{member, step, seen}``: records liveness; replies the member's view
-                            ``{generation, broken, reconfigure, state, finished}`` as soon as it
-                            differs from ``seen``.
+``POST /v1/heartbeat``      ``{member, step, blocked_on, seen, hold}``: records liveness and the
+                            collective the member waits in (for the progress watchdog); replies
+                            the member's view ``{generation, broken, reconfigure, state, reason,
+                            fence, finished, failed}`` as soon as it differs from ``seen``.
 ``POST /v1/failure``        ``{member, generation, error}``: a collective of that generation failed.
 ``POST /v1/exit``           ``{member, exitcode, reason}``: a launcher saw a worker process exit.
 ``POST /v1/leave``          ``{member, finished, step}``: a member left (``finished``: job done).
-``GET /v1/status``          generation, members with state, step and heartbeat age, finished.
+``GET /v1/status``          generation, members with state, step and heartbeat age, finished,
+                            failed (why the job cannot go on, or null).
 ==========================  ======================================================================
 """
 

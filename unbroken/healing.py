@@ -1,8 +1,9 @@
 """Healing: bring members behind the highest committed step up to date from a live peer.
 
-After a generation forms, its members exchange (next step, fresh) over the new group. The source
-is the lowest-ranked member at the highest step that holds real state; every other member that is
-behind it, or has never been healed nor committed (a fresh joiner), receives the full training
+After a generation forms, its members exchange (next step, fresh, lineage digest) over the new
+group. The source is the lowest-ranked member at the highest step that holds real state; every
+other member that is behind it, at the same step by another history, or has never been healed
+nor committed (a fresh joiner), receives the full training
 state point to point: a length, then the bytes of a ``torch.save`` of the state, in chunks. No
 checkpoint is read. A receiver loads nothing until every byte has arrived, so a transfer cut by a
 failure leaves it as it was.

@@ -145,6 +145,9 @@ class Step:
         self.failed = False
         self.error: Exception | None = None
         self.started = time.monotonic()
+        # Buffers (BatchNorm statistics) change in the forward pass: keep a copy so that a failed
+        # attempt leaves them as they were, like the parameters.
+        self._saved_buffers = [b.detach().clone() for b in job._buffers] if job._reducer is not None else []
 
     @property
     def samples(self) -> int:
@@ -200,8 +203,15 @@ class Step:
         except GenerationFailed as exc:
             job._reducer.disarm()
             self.failed, self.error, self._reduced = True, exc, False
-            job.optimizer.zero_grad(set_to_none=True)
+            self._discard()
         return self._reduced
+
+    def _discard(self) -> None:
+        """Undo what a failed attempt changed: gradients and buffers."""
+        self.job.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(self.job._buffers, self._saved_buffers):
+                buffer.copy_(saved)
 
     def commit(self) -> bool:
         """Reduce if not done yet, then apply the optimizer (and scheduler). True if committed."""
@@ -215,7 +225,7 @@ class Step:
             reason = job._abandon_reason(self.generation, for_commit=True)
             if reason:
                 self.failed, self.error = True, GenerationFailed(f"step {self.index} not committed: {reason}")
-                job.optimizer.zero_grad(set_to_none=True)
+                self._discard()
                 return False
         job.optimizer.step()
         if job.scheduler is not None:
@@ -292,6 +302,7 @@ class Job:
         self.run_dir = run_dir
         self._events = EventLog.for_run_dir(run_dir if self.distributed else None, f"worker:{self.member_id}")
         self._reducer = None
+        self._buffers = [b for b in model.buffers() if b.numel()]
         if self.distributed:
             from unbroken.gradients import GradientReducer
 
@@ -470,7 +481,7 @@ class Job:
     def _sync_buffers(self) -> None:
         """Give every member the buffers (BatchNorm statistics, ...) of the generation's rank 0,
         as DDP does, so that replicas stay identical."""
-        buffers = [b for b in self.model.buffers() if b.numel()]
+        buffers = self._buffers
         if not buffers:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -61,12 +61,12 @@ def alive_workers(run_dir: str) -> list[int]:
     return alive
 
 
-def unbroken(run_dir: str, *args: str, timeout: float = 180.0) -> Run:
+def unbroken(run_dir: str, *args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> Run:
     """``unbroken run --run-dir RUN_DIR ARGS...``; fails the test if it outlives ``timeout``."""
-    return command(["run", "--run-dir", run_dir, *args], run_dir, timeout)
+    return command(["run", "--run-dir", run_dir, *args], run_dir, timeout, env)
 
 
-def command(argv: list[str], run_dir: str | None, timeout: float) -> Run:
+def command(argv: list[str], run_dir: str | None, timeout: float, env: dict[str, str] | None = None) -> Run:
     proc = subprocess.Popen(
         [sys.executable, "-m", "unbroken", *argv],
         stdout=subprocess.PIPE,
@@ -74,6 +74,7 @@ def command(argv: list[str], run_dir: str | None, timeout: float) -> Run:
         stdin=subprocess.DEVNULL,
         text=True,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     try:
         out, err = proc.communicate(timeout=timeout)

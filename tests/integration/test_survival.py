@@ -1,6 +1,7 @@
 """A killed worker: the others go on, it rejoins healed, and nothing is lost or repeated."""
 
 import pytest
+import torch
 
 from tests.integration import harness
 from tests.integration.conftest import GLOBAL, STEPS
@@ -80,3 +81,25 @@ def test_two_kills_and_a_rejoin_end_with_the_same_model(tmp_path, reference):
     harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     check_same_model_and_replicas(run, reference)
     assert sum(w["restarts"] for w in run.summary()["workers"]) == 2
+
+
+def test_buffers_stay_identical_on_every_member_after_every_step_despite_a_kill(tmp_path):
+    run_dir = str(tmp_path / "run")
+    run = harness.unbroken(
+        run_dir, "--nproc-per-node", "3", "--chaos", "kill@allreduce,rank=1,step=4",
+        harness.EXACT, "--steps", "16", "--step-delay", "0.1", "--batchnorm", "--out", f"{run_dir}/final",
+        env={"UNBROKEN_VERIFY_EVERY": "1"},
+    )
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    checks = run.events("replicas")
+    by_step = {}
+    for e in checks:
+        by_step.setdefault(e["step"], set()).add(e["hash"])
+    assert set(by_step) == set(range(1, 17))  # compared after every commit, not only at the end
+    assert all(len(hashes) == 1 for hashes in by_step.values())
+    finals = harness.final_params(f"{run_dir}/final")
+    buffers = [name for name in next(iter(finals.values())) if "running_mean" in name]
+    assert buffers
+    first = next(iter(finals.values()))
+    for params in finals.values():
+        assert all(torch.equal(params[k], first[k]) for k in first)

@@ -139,3 +139,13 @@ def test_rng_state_travels_with_the_state_and_restores_the_random_streams():
     random.seed(99)
     healing.set_rng_state(healing.deserialize(payload)["rng"])
     assert (torch.rand(3).tolist(), random.random()) == expected
+
+
+def test_a_member_at_the_same_step_with_another_history_receives_the_state():
+    from unbroken.healing import extend_digest, lineage_digest
+
+    ours = lineage_digest([1, 1, 2])
+    theirs = lineage_digest([1, 1, 3])  # step 2 committed in generation 3, not 2
+    assert ours != theirs and extend_digest(lineage_digest([1, 1]), 2) == ours
+    plan_ = plan([(3, False, ours), (3, False, theirs), (3, False, ours)])
+    assert plan_.source == 0 and plan_.receivers == (1,)

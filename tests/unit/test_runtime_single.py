@@ -282,3 +282,25 @@ def test_a_malformed_numeric_variable_is_a_config_error_naming_the_variable(monk
     monkeypatch.setenv("UNBROKEN_HEARTBEAT_INTERVAL", "half a second")
     with pytest.raises(ConfigError, match="UNBROKEN_HEARTBEAT_INTERVAL"):
         RuntimeSettings.from_env()
+
+
+def test_a_member_without_word_from_the_coordinator_past_its_lease_abandons_its_generation():
+    import time as _time
+
+    from unbroken.runtime import Job, RuntimeSettings
+
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(2, 1)
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8, 1))
+    job = Job(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=4,
+              settings=RuntimeSettings(coordinator="127.0.0.1:1", lease=2.0))
+
+    class Client:
+        last_ok = _time.monotonic()
+
+    job._client = Client()
+    assert job._abandon_reason(1) is None
+    Client.last_ok = _time.monotonic() - 2.5
+    reason = job._abandon_reason(1)
+    assert reason and "lease 2.0 s" in reason
+    assert job._abandon_reason(1, for_commit=True) == reason  # no commit either

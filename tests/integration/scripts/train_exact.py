@@ -21,6 +21,7 @@ parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per ste
 parser.add_argument("--out", default=None)
 parser.add_argument("--raise-at-step", type=int, default=None, help="raise an error at this step on every member")
 parser.add_argument("--bad-dataset", action="store_true", help="pass a dataset without __len__")
+parser.add_argument("--batchnorm", action="store_true", help="add a BatchNorm layer (buffers that change in forward)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -39,7 +40,10 @@ if args.bad_dataset:
 
     dataset = Stream()
 
-model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+layers = [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)]
+if args.batchnorm:
+    layers.insert(1, torch.nn.BatchNorm1d(16))
+model = torch.nn.Sequential(*layers)
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
 
