@@ -26,6 +26,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from tests.integration import netns  # noqa: E402
+from tests.integration.harness import wait_for  # noqa: E402
 from unbroken.telemetry import read_events  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "train_bench.py")
@@ -39,16 +40,6 @@ def events(dirs: list[str]) -> list[dict]:
         if os.path.exists(path):
             out += read_events(path)[0]
     return sorted(out, key=lambda e: e["t"])
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def full_generation(dirs, size, since):

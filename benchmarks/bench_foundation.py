@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "train_bench.py")
 sys.path.insert(0, os.path.dirname(HERE))
 
+from tests.integration.harness import wait_for  # noqa: E402
 from unbroken.telemetry import read_events  # noqa: E402
 
 
@@ -57,16 +58,6 @@ def healthy(workers: int, trials: int, steps: int) -> dict:
     return {"ddp_step_s": ddp, "unbroken_step_s": ours, "ratio": ratios}
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
 def kills(workers: int, count: int) -> dict:
     """One long run; SIGKILL a non-leader worker ``count`` times, each after the previous rejoin."""
     with tempfile.TemporaryDirectory() as run_dir:
@@ -93,17 +84,17 @@ def kills(workers: int, count: int) -> dict:
                     steps = [e for e in ev if e["kind"] == "step" and e["t"] > gens[-1]["t"]]
                     return gens[-1] if len(steps) >= 50 else None
 
-                generation = _wait_for(ready, 120, "a full generation")
+                generation = wait_for(ready, 120, "a full generation")
                 victim = generation["members"][-1]  # not the leader, whose step events we time
                 starts = [e for e in events() if e["kind"] == "worker_start" and e["member"] == victim]
                 pid = starts[-1]["pid"]
                 kills_at.append(time.time())
                 os.kill(pid, signal.SIGKILL)
                 victims.append(victim)
-                _wait_for(lambda: any(e["kind"] == "worker_exit" and e["member"] == victim for e in events()), 30, "the kill to be seen")
-            _wait_for(lambda: len([e for e in events() if e["kind"] == "heal"]) >= count + 1, 120, "the last rejoin")
+                wait_for(lambda: any(e["kind"] == "worker_exit" and e["member"] == victim for e in events()), 30, "the kill to be seen")
+            wait_for(lambda: len([e for e in events() if e["kind"] == "heal"]) >= count + 1, 120, "the last rejoin")
             time.sleep(1.0)
-          except RuntimeError:
+          except (RuntimeError, AssertionError):
             for e in events():
                 if e["kind"] != "step":
                     print(round(e["t"] - kills_at[0], 3) if kills_at else e["t"], e["kind"], e.get("member"), e.get("members"), e.get("receivers"), file=sys.stderr)

@@ -23,13 +23,5 @@ class GenerationFailed(UnbrokenError):
     """A collective of the current generation failed or was abandoned; the step is redone."""
 
 
-class JobFinished(UnbrokenError):
-    """The job already finished: there is nothing left for a joining member to do."""
-
-
 class ReplicaDivergence(UnbrokenError):
     """Members hold different parameters after a commit: an invariant was broken."""
-
-
-class LaunchError(UnbrokenError):
-    """The launcher cannot start or keep the job running; the message is the one-line reason."""

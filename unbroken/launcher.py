@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from unbroken.errors import ConfigError, LaunchError, UnbrokenError
+from unbroken.errors import ConfigError, UnbrokenError
 from unbroken.telemetry import EventLog
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,17 @@ class Run:
     def summary(self) -> dict[str, Any]:
         with open(os.path.join(self.run_dir, "launcher.json")) as f:
             return json.load(f)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def kill_leftovers(run_dir: str) -> list[int]:

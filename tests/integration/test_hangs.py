@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,15 +13,6 @@ from tests.integration.test_survival import check_same_model_and_replicas
 
 pytestmark = pytest.mark.slow
 
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def start(argv, run_dir):
@@ -57,8 +47,8 @@ def test_a_stopped_worker_is_dropped_within_the_heartbeat_timeout_and_rejoins_wi
     )
     run = harness.Run(0, "", "", run_dir)
     try:
-        fault = wait_for(lambda: run.events("fault"), 120, "the worker to stop itself")[0]
-        first = wait_for(lambda: [e for e in run.events("step") if e["t"] > fault["t"]], 60, "the others to commit again")[0]
+        fault = harness.wait_for(lambda: run.events("fault"), 120, "the worker to stop itself")[0]
+        first = harness.wait_for(lambda: [e for e in run.events("step") if e["t"] > fault["t"]], 60, "the others to commit again")[0]
         stall = first["t"] - fault["t"]
         assert first["members"] == 3
         verdicts = [e for e in run.events("verdict") if e["member"] == fault["member"]]
@@ -113,7 +103,7 @@ def test_training_waits_below_the_minimum_and_starts_when_a_node_joins(tmp_path)
     try:
         a, a_dir = node(tmp_path, address, "a")
         status = lambda: harness.command(["status", address, "--json"], None, 30)  # noqa: E731
-        wait_for(lambda: '"state": "waiting"' in status().stdout, 120, "node a to wait for a generation")
+        harness.wait_for(lambda: '"state": "waiting"' in status().stdout, 120, "node a to wait for a generation")
         assert '"generation": 0' in status().stdout  # still waiting: below the minimum
         b, b_dir = node(tmp_path, address, "b")
         out_a, err_a = finish(a, a_dir)

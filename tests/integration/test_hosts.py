@@ -25,15 +25,6 @@ def events(dirs, kind):
     return sorted(out, key=lambda e: e["t"])
 
 
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, reference):
@@ -66,25 +57,25 @@ def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, 
                                          "--expected-members", "3", "--heartbeat-timeout", "2", "--progress-timeout", "4",
                                          "--run-dir", coord_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             h0, h1, h2 = node(0, "h0"), node(1, "h1"), node(2, "h2")
-            wait_for(lambda: [g for g in generations() if len(g["members"]) == 3], 120, "three hosts in a generation")
-            wait_for(lambda: len(events(dirs, "step")) >= 4, 60, "training to start")
+            harness.wait_for(lambda: [g for g in generations() if len(g["members"]) == 3], 120, "three hosts in a generation")
+            harness.wait_for(lambda: len(events(dirs, "step")) >= 4, 60, "training to start")
 
             # 1. Partition h2: the others go on without it; it commits nothing meanwhile.
             hosts.cut(2)
             t_cut = time.time()
-            without = wait_for(lambda: [g for g in generations() if g["t"] > t_cut and "h2.w0.r0" not in g["members"]], 60, "a generation without h2")[0]
-            wait_for(lambda: len([e for e in events(dirs, "step") if e["t"] > without["t"]]) >= 3, 60, "steps without h2")
+            without = harness.wait_for(lambda: [g for g in generations() if g["t"] > t_cut and "h2.w0.r0" not in g["members"]], 60, "a generation without h2")[0]
+            harness.wait_for(lambda: len([e for e in events(dirs, "step") if e["t"] > without["t"]]) >= 3, 60, "steps without h2")
             hosts.restore(2)
             t_restore = time.time()
-            wait_for(lambda: [e for e in events(dirs, "heal") if "h2.w0.r0" in e["receivers"] and e["t"] > t_restore], 90, "h2 to rejoin and be healed")
+            harness.wait_for(lambda: [e for e in events(dirs, "heal") if "h2.w0.r0" in e["receivers"] and e["t"] > t_restore], 90, "h2 to rejoin and be healed")
 
             # 2. Lose node h1 whole: its launcher and its worker die together.
             worker = events([os.path.join(base, "h1")], "worker_start")[-1]["pid"]
             os.killpg(h1.pid, signal.SIGKILL)
             os.killpg(worker, signal.SIGKILL)
             t_kill = time.time()
-            lost = wait_for(lambda: [g for g in generations() if g["t"] > t_kill and "h1.w0.r0" not in g["members"]], 60, "a generation without h1")[0]
-            wait_for(lambda: len([e for e in events(dirs, "step") if e["t"] > lost["t"]]) >= 2, 60, "steps without h1")
+            lost = harness.wait_for(lambda: [g for g in generations() if g["t"] > t_kill and "h1.w0.r0" not in g["members"]], 60, "a generation without h1")[0]
+            harness.wait_for(lambda: len([e for e in events(dirs, "step") if e["t"] > lost["t"]]) >= 2, 60, "steps without h1")
 
             # 3. A new node starts later, joins and is healed.
             new = node(1, "h1-new")

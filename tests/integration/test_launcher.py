@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -12,14 +11,6 @@ from tests.integration import harness
 
 pytestmark = pytest.mark.slow
 
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
@@ -30,7 +21,7 @@ def test_a_signal_to_the_launcher_stops_every_worker_and_exits_with_its_code(tmp
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
-        wait_for(lambda: harness.Run(0, "", "", run_dir).events("generation"), 120, "training to start")
+        harness.wait_for(lambda: harness.Run(0, "", "", run_dir).events("generation"), 120, "training to start")
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
