@@ -10,7 +10,8 @@ Kinds: ``kill`` (SIGKILL this process), ``hang`` (SIGSTOP this process: heartbea
 keeps running, like a deadlock or a stuck device).
 Points: ``step`` (start of a step), ``allreduce`` (every gradient bucket of the step was sent, none
 waited for yet), ``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing
-source, after the transfer began).
+source, after the transfer began), ``save`` (the checkpoint writer, after the data was written and
+before the manifest is published).
 Every fault writes a ``fault`` event (kind, point, step, pid) to the run's event log as it fires.
 Conditions: ``rank=`` local rank on its node, ``step=`` the step is at least this,
 ``restart=`` the process's restart count (default 0: only the first incarnation).
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from unbroken.errors import ConfigError
 
 KINDS = ("kill", "hang", "spin")
-POINTS = ("step", "allreduce", "commit", "heal")
+POINTS = ("step", "allreduce", "commit", "heal", "save")
 ENV = "UNBROKEN_CHAOS"
 
 

@@ -37,6 +37,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--heartbeat-interval", type=float, default=d["heartbeat_interval"].default, help="seconds between heartbeats (default %(default)s)")
     _flag(p, "--heartbeat-timeout", type=float, default=d["heartbeat_timeout"].default, help="silence that declares a worker dead (default %(default)s)")
     _flag(p, "--collective-timeout", type=float, default=d["collective_timeout"].default, help="longest wait of one collective (default %(default)s)")
+    _flag(p, "--checkpoint-dir", default=None, help="durable checkpoints: a directory or fsspec URL such as s3://bucket/run (default: none)")
+    _flag(p, "--checkpoint-every", default=None, help="save every N steps, or 'auto' (Young/Daly interval) (default: never)")
+    _flag(p, "--checkpoint-keep", type=int, default=d["checkpoint_keep"].default, help="complete checkpoints to keep (default %(default)s)")
     _flag(p, "--nnodes", default=None, help="MIN:MAX nodes (torchrun spelling); sets --min-members/--max-members to MIN*N/MAX*N")
     _flag(p, "--min-members", type=int, default=d["min_members"].default, help="no generation below this many workers (default %(default)s)")
     _flag(p, "--max-members", type=int, default=None, help="at most this many workers in a generation (default: no limit)")
@@ -59,6 +62,15 @@ def _positive_int(flag: str, text: str) -> int:
     if value < 1:
         raise ConfigError(f"{flag} must be a positive integer, got {value}")
     return value
+
+
+def _every(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--checkpoint-every must be a number of steps or 'auto', got {text!r}") from None
 
 
 def _nnodes(text: str, nproc: int) -> tuple[int, int | None]:
@@ -118,6 +130,9 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         record_samples=args.record_samples,
         min_members=min_members,
         max_members=max_members,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=_every(args.checkpoint_every),
+        checkpoint_keep=args.checkpoint_keep,
         progress_timeout=args.progress_timeout,
         quorum_timeout=args.quorum_timeout,
         start_grace=args.start_grace,
@@ -172,6 +187,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from unbroken import report
+
+    return report.main(args.run_dirs, as_json=args.json, png=args.png, no_png=args.no_png)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unbroken", description="PyTorch data-parallel training that survives failed nodes.")
     parser.add_argument("--log-level", default="WARNING", help="logging level of unbroken itself (default WARNING)")
@@ -194,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("address", help="HOST:PORT of the coordinator")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--timeout", type=float, default=5.0, help="give up after this many seconds (default 5)")
+    r = sub.add_parser("report", help="summarize a finished or running job from its event log; draw its timeline")
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (several: one per node, merged)")
+    r.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    r.add_argument("--png", default=None, metavar="PATH", help="where to draw the timeline (default RUN_DIR/timeline.png)")
+    r.add_argument("--no-png", action="store_true", help="do not draw the timeline")
     return parser
 
 
@@ -204,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import socket
 
         args.advertise_host = socket.gethostname()
-    handlers = {"run": _run, "coordinator": _coordinator, "status": _status}
+    handlers = {"run": _run, "coordinator": _coordinator, "status": _status, "report": _report}
     try:
         return handlers[args.command](args)
     except (UnbrokenError, ValueError) as exc:

@@ -247,6 +247,7 @@ class Coordinator:
         body = await self._json(request)
         member_id = body["member"]
         after = int(body.get("after", 0))
+        self.state.min_generation = max(self.state.min_generation, after)
         if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic()):
             self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
             self._bump()

@@ -78,6 +78,13 @@ class LaunchSettings:
     """Seconds of silence after which the coordinator declares a worker dead."""
     collective_timeout: float = 30.0
     """Longest wait of one collective when no verdict ends it sooner."""
+    checkpoint_dir: str | None = None
+    """Durable checkpoints go here: a path or fsspec URL (s3://...)."""
+    checkpoint_every: int | str | None = None
+    """Save every this many steps, or ``auto`` (Young/Daly); None: never (with a directory, the
+    job still resumes from what is there)."""
+    checkpoint_keep: int = 3
+    """Complete checkpoints to keep."""
     min_members: int = 1
     """The embedded coordinator forms no generation below this many workers."""
     max_members: int | None = None
@@ -127,6 +134,9 @@ class LaunchSettings:
             from unbroken.chaos import parse
 
             parse(self.chaos)
+        from unbroken.checkpoint import CheckpointSettings
+
+        CheckpointSettings(self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)  # validates
 
 
 @dataclass
@@ -363,6 +373,11 @@ class Launcher:
             env["UNBROKEN_CHAOS"] = s.chaos
         if s.record_samples:
             env["UNBROKEN_RECORD_SAMPLES"] = "1"
+        if s.checkpoint_dir:
+            env["UNBROKEN_CHECKPOINT_DIR"] = s.checkpoint_dir
+            env["UNBROKEN_CHECKPOINT_KEEP"] = str(s.checkpoint_keep)
+            if s.checkpoint_every is not None:
+                env["UNBROKEN_CHECKPOINT_EVERY"] = str(s.checkpoint_every)
         log_path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")
         logfile = open(log_path, "ab", buffering=0)
         logfile.write(f"===== {worker.member_id} starting =====\n".encode())

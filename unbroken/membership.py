@@ -160,6 +160,9 @@ class Membership:
     first_wait: float | None = None
     broken_at: float | None = None
     below_quorum_since: float | None = None
+    min_generation: int = 0
+    """The highest generation any member has seen (it may come from a checkpoint written under an
+    earlier coordinator): new generations are numbered above it, so numbers never repeat."""
     history: list[Generation] = field(default_factory=list)
 
     # -- member requests ---------------------------------------------------------------------
@@ -313,7 +316,7 @@ class Membership:
         decision = decide(self.members, self.current, self.settings, self.first_wait, now)
         if not decision.form:
             return None, decision
-        number = (self.current.number + 1) if self.current is not None else 1
+        number = max((self.current.number + 1) if self.current is not None else 1, self.min_generation + 1)
         generation = Generation(number, decision.members, formed_at=now)
         for member_id in decision.members:
             member = self.members[member_id]

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -38,6 +38,9 @@ from unbroken.chaos import Chaos
 from unbroken.data_plan import DataPlan
 from unbroken.errors import ConfigError, GenerationFailed, ReplicaDivergence, UnbrokenError
 from unbroken.telemetry import RUN_DIR_ENV, EventLog
+
+if TYPE_CHECKING:
+    from unbroken.checkpoint import CheckpointSettings
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +253,8 @@ class Job:
         collate_fn: turns a list of samples into a batch (default: ``default_collate``).
         extra_state: any object with ``state_dict``/``load_state_dict`` healed with the model.
         settings: runtime settings (default: from the environment ``unbroken run`` sets).
+        checkpoint: durable checkpoints (default: from ``UNBROKEN_CHECKPOINT_*``, which
+            ``unbroken run --checkpoint-dir/--checkpoint-every`` set): where, how often, how many.
     """
 
     def __init__(
@@ -265,6 +270,7 @@ class Job:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         extra_state: Any = None,
         settings: RuntimeSettings | None = None,
+        checkpoint: "CheckpointSettings | None" = None,
     ) -> None:
         self.plan = DataPlan(
             _check_dataset(dataset),
@@ -301,6 +307,12 @@ class Job:
         run_dir = self.settings.run_dir or os.environ.get(RUN_DIR_ENV)
         self.run_dir = run_dir
         self._events = EventLog.for_run_dir(run_dir if self.distributed else None, f"worker:{self.member_id}")
+        from unbroken.checkpoint import CheckpointSettings
+
+        self.checkpoint = checkpoint or CheckpointSettings.from_env()
+        self._checkpoints: Any = None  # CheckpointStore, opened when steps() starts
+        self._saver: Any = None
+        self._schedule: Any = None
         self._reducer = None
         self._buffers = [b for b in model.buffers() if b.numel()]
         if self.distributed:
@@ -325,13 +337,17 @@ class Job:
             raise ConfigError(f"total must be a non-negative integer number of steps, got {total!r}")
         self.total = total
         if not self.distributed:
+            self._open_checkpoints(resume=self.fresh)
             while self.next_step < total:
                 step = Step(self, self.next_step)
                 yield step
                 step.commit()
+                self._maybe_checkpoint()
+            self._final_checkpoint()
             return
         finished = False
         self._start()
+        self._open_checkpoints(resume=self.fresh and self._client.status().get("generation", 0) == 0)
         try:
             while True:
                 if self._group is None:
@@ -342,6 +358,7 @@ class Job:
                 if self.next_step >= total:
                     if self._verify_replicas():
                         finished = True
+                        self._final_checkpoint()
                         break
                     continue
                 reason = self._abandon_reason(self.generation)
@@ -355,7 +372,9 @@ class Job:
                     step.commit()
                 if step.failed:
                     self._abandon(str(step.error))
-                elif step.reconfigure:
+                    continue
+                self._maybe_checkpoint()
+                if step.reconfigure:
                     self._close_group()
                 elif self.settings.verify_every and self.next_step % self.settings.verify_every == 0 and self.next_step < total:
                     self._verify_replicas()
@@ -591,7 +610,63 @@ class Job:
         except UnbrokenError as exc:
             log.warning("could not report the failure: %s", exc)
 
+    # -- durable checkpoints ---------------------------------------------------------------------
+
+    def _open_checkpoints(self, resume: bool) -> None:
+        """Open the checkpoint directory; a member that starts a job (nobody holds live state)
+        resumes from the newest valid checkpoint there."""
+        if not self.checkpoint.directory or self._checkpoints is not None:
+            return
+        from unbroken.checkpoint import CheckpointStore, Saver, Schedule
+
+        self._checkpoints = CheckpointStore(self.checkpoint.directory)
+        self._saver = Saver(self._checkpoints, self.checkpoint.keep, self._checkpoint_done, lambda s: self._chaos.point("save", s))
+        if self.checkpoint.every is not None:
+            self._schedule = Schedule(self.checkpoint.every, self.checkpoint.mtbf, time.monotonic())
+        if not resume:
+            return
+        found = self._checkpoints.load_latest()
+        if found is None:
+            if self._checkpoints.steps() or _has_entries(self._checkpoints):
+                print(f"unbroken: warning: no valid checkpoint in {self.checkpoint.directory}; starting from step 0", flush=True)
+            return
+        state, manifest, location = found
+        self._load(state)
+        self.fresh = False
+        self.generation = max(self.generation, int(manifest.get("generation", 0)))
+        print(f"unbroken: resumed from step {self.next_step} of {location}", flush=True)
+        self._events.emit("resume", step=self.next_step, location=location)
+
+    def _maybe_checkpoint(self) -> None:
+        if self._schedule is None or self.member_index != 0:
+            return
+        now = time.monotonic()
+        if self.next_step < (self.total or 0) and self._schedule.due(self.next_step, now):
+            self._save()
+
+    def _save(self) -> None:
+        meta = {"generation": self.generation, "members": list(self._group.members) if self._group else [self.member_id]}
+        stall = self._saver.save(self.next_step, self._state(), meta)
+        message = self._schedule.saved(stall, time.monotonic()) if self._schedule else None
+        if message:
+            log.info("%s", message)
+            print(f"unbroken: {message}", flush=True)
+            self._events.emit("checkpoint_interval", seconds=self._schedule.interval, stall=stall)
+
+    def _final_checkpoint(self) -> None:
+        """Rank 0 saves the final state and waits until it is durable."""
+        if self._saver is None:
+            return
+        if self._schedule is not None and self.member_index == 0:
+            self._save()
+        self._saver.wait()
+
+    def _checkpoint_done(self, info: dict[str, Any]) -> None:
+        self._events.emit("checkpoint", **info)
+
     def _abandon(self, reason: str) -> None:
+        if self._schedule is not None:
+            self._schedule.failure()
         if self._group is not None:
             self._report_failure(self._group.number, reason)
             self._graveyard.append(self._group)
@@ -644,6 +719,13 @@ class Job:
             self._sample_fd = None
         self._close_group()
         _ExitGuard.finished = finished
+
+
+def _has_entries(store: Any) -> bool:
+    try:
+        return bool(store.fs.ls(store.root, detail=False))
+    except FileNotFoundError:
+        return False
 
 
 class _ExitGuard:

@@ -49,28 +49,53 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def _processes_of(run_dir: str) -> list[int]:
+    """Processes whose environment names this run directory: the workers the run's launcher
+    started, including one spawned in the instant before its launcher was killed (no event yet)."""
+    marker = f"UNBROKEN_RUN_DIR={os.path.abspath(run_dir)}\0".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker in f.read() + b"\0":
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
 def kill_leftovers(run_dir: str) -> list[int]:
-    """SIGKILL the process group of every worker the run started that is still alive."""
+    """SIGKILL every worker the run started that is still alive (by process group and by pid)."""
     killed = []
-    for event in Run(0, "", "", run_dir).events("worker_start"):
-        pid = event["pid"]
+    for pid in [e["pid"] for e in Run(0, "", "", run_dir).events("worker_start")] + _processes_of(run_dir):
+        if not _running(pid):
+            continue
         try:
             os.killpg(pid, signal.SIGKILL)
-            killed.append(pid)
         except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
             pass
     return killed
 
 
+def _running(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (an orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def alive_workers(run_dir: str) -> list[int]:
-    alive = []
-    for event in Run(0, "", "", run_dir).events("worker_start"):
-        try:
-            os.killpg(event["pid"], 0)
-            alive.append(event["pid"])
-        except (ProcessLookupError, PermissionError):
-            pass
-    return alive
+    """Workers of the run that still run (their process-group leaders)."""
+    pids = {e["pid"] for e in Run(0, "", "", run_dir).events("worker_start")} | set(_processes_of(run_dir))
+    return sorted(pid for pid in pids if _running(pid))
 
 
 def unbroken(run_dir: str, *args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> Run:

@@ -24,6 +24,9 @@ RUN_FLAGS = [
     ["--heartbeat-interval", "--heartbeat_interval"],
     ["--heartbeat-timeout", "--heartbeat_timeout"],
     ["--collective-timeout", "--collective_timeout"],
+    ["--checkpoint-dir", "--checkpoint_dir"],
+    ["--checkpoint-every", "--checkpoint_every"],
+    ["--checkpoint-keep", "--checkpoint_keep"],
     ["--nnodes"],
     ["--min-members", "--min_members"],
     ["--max-members", "--max_members"],
@@ -62,10 +65,10 @@ def test_the_run_command_has_exactly_the_pinned_flags():
     assert [a.dest for a in run._actions if not a.option_strings] == ["script", "script_args"]
 
 
-def test_the_subcommands_are_run_coordinator_and_status():
+def test_the_subcommands_are_run_coordinator_status_and_report():
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert sorted(sub.choices) == ["coordinator", "run", "status"]
+    assert sorted(sub.choices) == ["coordinator", "report", "run", "status"]
 
 
 def test_run_defaults_come_from_the_launch_settings():

@@ -1,0 +1,70 @@
+"""Durable checkpoints with real jobs: the whole job killed at once resumes from the newest
+complete checkpoint, with the same or another member count; a kill during a save never leaves a
+visible partial checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration import harness
+from tests.integration.conftest import GLOBAL, STEPS
+from unbroken.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.slow
+
+
+def start_and_kill_all(run_dir, ckpt, when, *extra):
+    """Start a 4-worker job, then SIGKILL the launcher and every worker at once when ``when(run)``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unbroken", "run", "--run-dir", run_dir, "--nproc-per-node", "4", "--record-samples",
+         "--checkpoint-dir", ckpt, "--checkpoint-every", "5", *extra,
+         harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    run = harness.Run(0, "", "", run_dir)
+    try:
+        harness.wait_for(lambda: when(run), 120, "the moment to kill the job")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        harness.kill_leftovers(run_dir)
+        proc.wait()
+    assert harness.alive_workers(run_dir) == []
+
+
+@pytest.mark.parametrize("members", [4, 3], ids=["same-member-count", "fewer-members"])
+def test_a_job_killed_whole_resumes_from_its_newest_checkpoint_and_ends_with_the_same_model(tmp_path, reference, members):
+    ckpt = str(tmp_path / "ckpt")
+    first = str(tmp_path / "first")
+    start_and_kill_all(first, ckpt, lambda run: [e for e in run.events("checkpoint") if e["step"] >= 10])
+    newest = CheckpointStore(ckpt).steps()[0]
+    assert newest >= 10
+    second = str(tmp_path / "second")
+    run = harness.unbroken(second, "--nproc-per-node", str(members), "--record-samples", "--checkpoint-dir", ckpt,
+                           "--checkpoint-every", "5", harness.EXACT, "--steps", str(STEPS), "--out", f"{second}/final")
+    assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"resumed from step {newest} of {ckpt}/step-{newest:08d}" in run.stdout
+    harness.check_exactly_once([first, second], STEPS, GLOBAL)
+    for member, params in harness.final_params(f"{second}/final").items():
+        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
+    assert CheckpointStore(ckpt).steps()[0] == STEPS  # the final state is saved too
+
+
+def test_a_kill_during_a_save_leaves_no_visible_partial_checkpoint_and_resume_uses_the_previous(tmp_path, reference):
+    ckpt = str(tmp_path / "ckpt")
+    first = str(tmp_path / "first")
+    start_and_kill_all(first, ckpt, lambda run: run.events("fault"), "--chaos", "kill@save,step=10")
+    fault = harness.Run(0, "", "", first).events("fault")[0]
+    assert fault["point"] == "save" and fault["step"] == 10
+    assert os.path.isdir(os.path.join(ckpt, "step-00000010"))  # the data was written...
+    assert not os.path.exists(os.path.join(ckpt, "step-00000010", "manifest.json"))  # ...but never published
+    assert CheckpointStore(ckpt).steps() == [5]
+    second = str(tmp_path / "second")
+    run = harness.unbroken(second, "--nproc-per-node", "4", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
+                           harness.EXACT, "--steps", str(STEPS), "--out", f"{second}/final")
+    assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"resumed from step 5 of {ckpt}/step-00000005" in run.stdout
+    for member, params in harness.final_params(f"{second}/final").items():
+        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member

@@ -1,0 +1,190 @@
+"""Durable checkpoints: atomic publish, verification, retention, resume, and s3:// (moto)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from unbroken.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointSettings,
+    CheckpointStore,
+    Saver,
+    Schedule,
+    snapshot,
+    young_daly_interval,
+)
+from unbroken.errors import ConfigError
+
+
+def state(step):
+    return {"model": {"w": torch.full((4,), float(step))}, "runtime": {"next_step": step}}
+
+
+def save(store, step):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state(step), buffer)
+    return store.write(step, buffer.getvalue(), {"generation": 1, "members": ["a"]})
+
+
+def test_a_checkpoint_is_published_with_a_manifest_that_verifies(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    location = save(store, 7)
+    assert location.endswith("step-00000007")
+    manifest = json.loads((tmp_path / "step-00000007" / "manifest.json").read_text())
+    assert manifest["step"] == 7 and manifest["files"]["state.pt"]["bytes"] > 0
+    assert set(manifest["versions"]) == {"unbroken", "torch", "python"}
+    loaded, found_manifest, where = store.load_latest()
+    assert torch.equal(loaded["model"]["w"], torch.full((4,), 7.0)) and where == location
+
+
+def test_a_directory_without_its_manifest_is_invisible(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 5)
+    os.makedirs(tmp_path / "step-00000010")
+    (tmp_path / "step-00000010" / "state.pt").write_bytes(b"half written")
+    assert store.steps() == [5]
+    assert store.load_latest()[0]["runtime"]["next_step"] == 5
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, capsys, damage):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 5)
+    save(store, 10)
+    path = tmp_path / "step-00000010" / "state.pt"
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="step-00000010"):
+        store.read(10)
+    loaded, manifest, where = store.load_latest()
+    assert manifest["step"] == 5 and where.endswith("step-00000005")
+    out = capsys.readouterr().out
+    assert "skipping checkpoint" in out and "step-00000010" in out
+
+
+def test_with_no_valid_checkpoint_load_latest_returns_none(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 3)
+    (tmp_path / "step-00000003" / "manifest.json").write_text("{not json")
+    assert store.load_latest() is None
+
+
+def test_retention_keeps_the_newest_and_removes_older_leftovers(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for step in (5, 10, 15, 20):
+        save(store, step)
+    os.makedirs(tmp_path / "step-00000012")  # an unpublished leftover, older than the newest
+    deleted = store.retain(2)
+    assert sorted(deleted) == ["step-00000005", "step-00000010", "step-00000012"]
+    assert store.steps() == [20, 15]
+
+
+def test_the_saver_stalls_only_for_the_memory_copy_and_writes_in_the_background(tmp_path):
+    done = []
+    saver = Saver(CheckpointStore(str(tmp_path)), keep=2, on_done=done.append)
+    live = {"model": {"w": torch.zeros(1000)}}
+    saver.save(4, live, {"generation": 1, "members": ["a"]})
+    live["model"]["w"].add_(1.0)  # training goes on; the snapshot must not see this
+    saver.wait(30)
+    assert done and done[0]["step"] == 4 and done[0]["stall"] >= 0 and saver.error is None
+    loaded = CheckpointStore(str(tmp_path)).load_latest()[0]
+    assert torch.equal(loaded["model"]["w"], torch.zeros(1000))
+
+
+def test_snapshot_copies_tensors_and_keeps_structure():
+    original = {"a": [torch.ones(2), (torch.zeros(1), 3)], "b": "x"}
+    copy = snapshot(original)
+    original["a"][0].add_(1)
+    assert torch.equal(copy["a"][0], torch.ones(2)) and copy["a"][1][1] == 3 and copy["b"] == "x"
+
+
+def test_young_daly_grows_with_the_save_cost_and_the_time_between_failures():
+    assert young_daly_interval(0.5, 3600) == pytest.approx(60.0)
+    assert young_daly_interval(2.0, 3600) > young_daly_interval(0.5, 3600)
+    schedule = Schedule("auto", mtbf=3600.0, now=0.0)
+    assert schedule.due(1, 0.0)  # the first save measures the cost
+    message = schedule.saved(0.5, 1.0)
+    assert "60.0 s" in message
+    assert not schedule.due(2, 30.0) and schedule.due(3, 61.5)
+    schedule.failure()
+    assert "MTBF 100 s" in schedule.saved(0.5, 100.0)  # one failure in 100 s of run
+
+
+def test_a_fixed_interval_saves_every_n_steps():
+    schedule = Schedule(5, mtbf=3600.0, now=0.0)
+    assert [s for s in range(1, 16) if schedule.due(s, 0.0)] == [5, 10, 15]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"directory": "d", "every": 0}, "positive number of steps"), ({"every": 5}, "needs a checkpoint directory"),
+     ({"directory": "d", "keep": 0}, "keep must be at least 1"), ({"directory": "d", "every": "sometimes"}, "'auto'")],
+)
+def test_bad_checkpoint_settings_are_clear_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        CheckpointSettings(**kwargs)
+
+
+def test_a_single_process_job_resumes_from_its_newest_valid_checkpoint(tmp_path, monkeypatch, capsys):
+    import unbroken
+
+    monkeypatch.delenv("UNBROKEN_COORDINATOR", raising=False)
+    torch.set_num_threads(1)
+
+    def run(total):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+        job = unbroken.Job(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
+                           checkpoint=CheckpointSettings(str(tmp_path), every=3))
+        seen = [s.index for s in job.steps(total)]
+        return seen, model
+
+    assert run(7)[0] == list(range(7))  # saves at 3, 6 and the final 7
+    assert CheckpointStore(str(tmp_path)).steps() == [7, 6, 3]
+    (tmp_path / "step-00000007" / "state.pt").write_bytes(b"garbage")
+    seen, _ = run(9)
+    out = capsys.readouterr().out
+    assert seen == [6, 7, 8]
+    assert "skipping checkpoint" in out and "step-00000007" in out
+    assert "resumed from step 6 of" in out
+
+
+def test_checkpoints_on_s3_save_list_resume_and_retain(tmp_path, monkeypatch):
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        port = server._server.server_port
+        for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
+            monkeypatch.setenv(key, value)
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("ckpt")
+        store = CheckpointStore("s3://ckpt/run1")
+        for step in (2, 4, 6):
+            assert save(store, step) == f"s3://ckpt/run1/step-{step:08d}"
+        assert store.steps() == [6, 4, 2]
+        assert store.load_latest()[1]["step"] == 6
+        store.retain(2)
+        assert store.steps() == [6, 4]
+        # a flipped byte on the object store is caught too
+        with store.fs.open("ckpt/run1/step-00000006/state.pt", "rb") as f:
+            data = bytearray(f.read())
+        data[10] ^= 0xFF
+        with store.fs.open("ckpt/run1/step-00000006/state.pt", "wb") as f:
+            f.write(bytes(data))
+        assert store.load_latest()[1]["step"] == 4
+    finally:
+        server.stop()
