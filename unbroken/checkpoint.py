@@ -135,14 +135,14 @@ class CheckpointStore:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def write(self, step: int, payload: bytes, meta: dict[str, Any], before_manifest: Callable[[], None] | None = None) -> str:
+    def write(self, step: int, payload: bytes | memoryview, meta: dict[str, Any], before_manifest: Callable[[], None] | None = None) -> str:
         """Publish checkpoint ``step``: data first, manifest last. Returns its location."""
         name = self.name(step)
         manifest = {
             "format": FORMAT,
             "step": step,
             "time": time.time(),
-            "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}},
+            "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": memoryview(payload).nbytes}},
             "versions": _versions(),
             **meta,
         }
@@ -158,7 +158,7 @@ class CheckpointStore:
                 f.write(json.dumps(manifest, indent=1).encode())
         return f"{self.url}/{name}"
 
-    def _write_local(self, name: str, payload: bytes, manifest: dict[str, Any], before_manifest: Callable[[], None] | None) -> None:
+    def _write_local(self, name: str, payload: bytes | memoryview, manifest: dict[str, Any], before_manifest: Callable[[], None] | None) -> None:
         root = self.root
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, name)
@@ -255,7 +255,7 @@ class CheckpointStore:
         return doomed
 
 
-def _write_synced(path: str, data: bytes) -> None:
+def _write_synced(path: str, data: bytes | memoryview) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -297,7 +297,8 @@ class Saver:
         try:
             buffer = io.BytesIO()
             torch.save(copy, buffer)
-            location = self.store.write(step, buffer.getvalue(), meta, before_manifest=lambda: self.fault(step))
+            del copy
+            location = self.store.write(step, buffer.getbuffer(), meta, before_manifest=lambda: self.fault(step))
             deleted = self.store.retain(self.keep)
             self.on_done(
                 {"step": step, "location": location, "bytes": buffer.getbuffer().nbytes, "stall": stall,
@@ -312,11 +313,15 @@ class Saver:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
 
 class Schedule:
     """When to save: every ``every`` steps, or (``auto``) every Young/Daly interval computed from
-    the measured stall of a save and the mean time between failures seen in this run (the
-    configured ``mtbf`` until a failure has been seen)."""
+    the measured cost of a save to training (its stall plus the slowdown of the steps that ran
+    while it was written) and the mean time between failures seen in this run (the configured
+    ``mtbf`` until a failure has been seen)."""
 
     def __init__(self, every: int | str, mtbf: float, now: float) -> None:
         self.every = every
@@ -336,17 +341,26 @@ class Schedule:
             return True  # the first save measures what a save costs
         return self.interval is not None and now - self.last_save >= self.interval
 
-    def saved(self, stall: float, now: float) -> str | None:
-        """Record a save; returns a message when the auto interval changed noticeably."""
+    def began(self, now: float) -> None:
+        """A save began now."""
         self.last_save = now
+
+    def cost(self, seconds: float, now: float) -> str | None:
+        """Record what the last save cost training; returns a message when the auto interval
+        changed noticeably."""
         if self.every != "auto":
             return None
-        interval = young_daly_interval(stall, self.mtbf(now))
+        interval = young_daly_interval(seconds, self.mtbf(now))
         changed = self.interval is None or abs(interval - self.interval) > 0.1 * self.interval
         if changed:
             self.interval = interval
-            return f"checkpoint interval {interval:.1f} s (Young/Daly: save stall {stall * 1000:.1f} ms, MTBF {self.mtbf(now):.0f} s)"
+            return f"checkpoint interval {interval:.1f} s (Young/Daly: a save costs {seconds * 1000:.0f} ms, MTBF {self.mtbf(now):.0f} s)"
         return None
+
+    def saved(self, cost: float, now: float) -> str | None:
+        """A save that began ``now`` and cost ``cost`` seconds (both at once, for simple callers)."""
+        self.began(now)
+        return self.cost(cost, now)
 
     def failure(self) -> None:
         self.failures += 1

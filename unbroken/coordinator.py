@@ -21,6 +21,7 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
 ``POST /v1/leave``          ``{member, finished, step}``: a member left (``finished``: job done).
 ``GET /v1/status``          generation, members with state, step and heartbeat age, finished,
                             failed (why the job cannot go on, or null).
+``GET /metrics``            Prometheus metrics (:mod:`unbroken.metrics`).
 ==========================  ======================================================================
 """
 
@@ -72,6 +73,9 @@ class Coordinator:
         self.settings = settings
         self.state = Membership(membership)
         self.events = events or EventLog(None, "coordinator")
+        from unbroken.metrics import CoordinatorMetrics  # prometheus_client: only the coordinator needs it
+
+        self.metrics = CoordinatorMetrics()
         self.port: int | None = None
         self.store_port: int | None = None
         self._store = None
@@ -115,6 +119,7 @@ class Coordinator:
                 web.post("/v1/exit", self._exit),
                 web.post("/v1/leave", self._leave),
                 web.get("/v1/status", self._status),
+                web.get("/metrics", self._metrics),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -194,8 +199,11 @@ class Coordinator:
 
     def _bump(self) -> None:
         """Form a generation if the rules allow, then wake every long poll."""
+        broken_at = self.state.broken_at
         generation, decision = self.state.maybe_form(time.monotonic())
         if generation is not None:
+            if broken_at is not None:
+                self.metrics.stalled(generation.formed_at - broken_at)
             log.info("generation %d formed: %s (%s)", generation.number, ", ".join(generation.members), decision.reason)
             self.events.emit(
                 "generation", generation=generation.number, members=list(generation.members), reason=decision.reason
@@ -222,6 +230,7 @@ class Coordinator:
                 log.warning("member %s declared dead: %s", member_id, reason)
                 how = "heartbeat" if reason and reason.startswith("no heartbeat") else "progress watchdog"
                 self.events.emit("verdict", member=member_id, detected_by=how, reason=reason)
+                self.metrics.failure(how)
             if dead or (self.state.current is None and self.state.first_wait is not None) or self.state.failed != failed_before:
                 self._bump()
             if self.state.failed and not failed_before:
@@ -295,6 +304,7 @@ class Coordinator:
         if self.state.report_failure(body["member"], generation, time.monotonic()):
             log.warning("generation %d broken: %s reported %s", generation, body["member"], body.get("error"))
             self.events.emit("failure", member=body["member"], generation=generation, detected_by="collective", error=body.get("error"))
+            self.metrics.failure("collective")
             self._bump()
         return self._reply({"ok": True})
 
@@ -305,6 +315,7 @@ class Coordinator:
         if self.state.mark_dead(member_id, reason, time.monotonic()):
             log.warning("member %s exited: %s", member_id, reason)
             self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason)
+            self.metrics.failure("launcher")
         self._bump()
         return self._reply({"ok": True})
 
@@ -315,6 +326,13 @@ class Coordinator:
                 self.events.emit("finished", member=body["member"], step=int(body.get("step", 0)))
             self._bump()
         return self._reply({"ok": True})
+
+    async def _metrics(self, request):
+        from aiohttp import web
+
+        from unbroken.metrics import CONTENT_TYPE
+
+        return web.Response(body=self.metrics.render(self.state), headers={"Content-Type": CONTENT_TYPE})
 
     async def _status(self, request):
         now = time.monotonic()

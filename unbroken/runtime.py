@@ -311,6 +311,10 @@ class Job:
 
         self.checkpoint = checkpoint or CheckpointSettings.from_env()
         self._checkpoints: Any = None  # CheckpointStore, opened when steps() starts
+        self._last_step_seconds: float | None = None
+        self._step_ema: float | None = None
+        self._save_cost = 0.0
+        self._save_cost_pending = False
         self._saver: Any = None
         self._schedule: Any = None
         self._reducer = None
@@ -546,7 +550,7 @@ class Job:
             self._events.emit(
                 "heal",
                 generation=group.number,
-                source=self.member_id,
+                sender=self.member_id,
                 receivers=[group.members[r] for r in plan.receivers],
                 step=plan.step,
                 bytes=payload.numel(),
@@ -588,6 +592,7 @@ class Job:
 
     def _committed(self, step: Step) -> None:
         self.next_step = step.index + 1
+        self._last_step_seconds = time.monotonic() - step.started
         self.lineage.append(step.generation)
         self._digest = healing.extend_digest(self._digest, step.generation)
         self.fresh = False
@@ -601,6 +606,8 @@ class Job:
                 members=step.members,
                 seconds=time.monotonic() - step.started,
                 loss=step.loss,
+                samples=self.plan.global_batch_size,
+                total=self.total,
             )
 
     def _report_failure(self, number: int, error: str) -> None:
@@ -641,17 +648,36 @@ class Job:
         if self._schedule is None or self.member_index != 0:
             return
         now = time.monotonic()
+        self._account_save_cost(now)
         if self.next_step < (self.total or 0) and self._schedule.due(self.next_step, now):
             self._save()
+
+    def _account_save_cost(self, now: float) -> None:
+        """What a save costs training: its stall plus how much longer the steps took while it was
+        being written (the writer competes for cores and memory bandwidth)."""
+        seconds = self._last_step_seconds
+        if seconds is None:
+            return
+        if self._saver.busy():
+            if self._step_ema is not None:
+                self._save_cost += max(0.0, seconds - self._step_ema)
+            return
+        if self._save_cost_pending:
+            self._save_cost_pending = False
+            message = self._schedule.cost(self._save_cost, now)
+            if message:
+                log.info("%s", message)
+                print(f"unbroken: {message}", flush=True)
+                self._events.emit("checkpoint_interval", seconds=self._schedule.interval, cost=self._save_cost)
+            return  # the step that saw the write finish is not a healthy sample
+        self._step_ema = seconds if self._step_ema is None else 0.9 * self._step_ema + 0.1 * seconds
 
     def _save(self) -> None:
         meta = {"generation": self.generation, "members": list(self._group.members) if self._group else [self.member_id]}
         stall = self._saver.save(self.next_step, self._state(), meta)
-        message = self._schedule.saved(stall, time.monotonic()) if self._schedule else None
-        if message:
-            log.info("%s", message)
-            print(f"unbroken: {message}", flush=True)
-            self._events.emit("checkpoint_interval", seconds=self._schedule.interval, stall=stall)
+        if self._schedule is not None:
+            self._schedule.began(time.monotonic())
+            self._save_cost, self._save_cost_pending = stall, True
 
     def _final_checkpoint(self) -> None:
         """Rank 0 saves the final state and waits until it is durable."""

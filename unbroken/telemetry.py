@@ -5,9 +5,12 @@ written with a single ``write`` on a file opened with ``O_APPEND``, so lines fro
 writers never interleave. ``t`` is wall-clock time (seconds since the epoch) for joining events
 across processes on one host; decisions never use it.
 
-Common fields: ``t``, ``kind``, ``source`` (who wrote it). Kinds written today: ``generation``,
-``failure``, ``verdict``, ``heal``, ``step``, ``worker_start``, ``worker_exit``, ``restart``,
-``finished``.
+Common fields: ``t``, ``kind``, ``source`` (who wrote it: ``coordinator``, ``launcher:<node>``,
+``worker:<member>`` or ``chaos:<member>``); :meth:`EventLog.emit` refuses other fields of these
+names. Kinds: ``coordinator_start``, ``worker_start``, ``worker_exit``, ``restart``, ``join``,
+``generation``, ``failure``, ``verdict``, ``heal``, ``step``, ``replicas``, ``finished``,
+``job_failed``, ``fault``, ``checkpoint``, ``checkpoint_interval``, ``resume``. The fields of each
+kind are in ``docs/events.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import time
 from typing import Any
 
 RUN_DIR_ENV = "UNBROKEN_RUN_DIR"
+COMMON_FIELDS = ("t", "kind", "source")
+KINDS = (
+    "coordinator_start", "worker_start", "worker_exit", "restart", "join", "generation", "failure", "verdict",
+    "heal", "step", "replicas", "finished", "job_failed", "fault", "checkpoint", "checkpoint_interval", "resume",
+)
 
 
 class EventLog:
@@ -41,6 +49,9 @@ class EventLog:
         return self._fd is not None
 
     def emit(self, kind: str, **fields: Any) -> None:
+        clash = [name for name in COMMON_FIELDS if name in fields]
+        if clash:
+            raise ValueError(f"event {kind!r}: the field(s) {clash} would replace the common fields {COMMON_FIELDS}")
         if self._fd is None:
             return
         record = {"t": time.time(), "kind": kind, "source": self.source, **fields}

@@ -45,7 +45,7 @@ def standard_log() -> Events:
     for i, m in enumerate("abcd"):
         e.add(T0 + 0.01 * i, "worker_start", "launcher:n", member=m, local_rank=i, pid=100 + i, restart=0)
     e.add(T0 + 1.0, "generation", generation=1, members=list("abcd"), reason="4 member(s) ready")
-    e.add(T0 + 1.005, "heal", "a", generation=1, receivers=list("bcd"), step=0, bytes=1000, seconds=0.004)
+    e.add(T0 + 1.005, "heal", "worker:a", sender="a", generation=1, receivers=list("bcd"), step=0, bytes=1000, seconds=0.004)
     e.steps(0, 50, T0 + 1.01, generation=1, members=4)  # last at T0 + 1.5
     # The kill: the launcher sees the exit, a survivor the broken allreduce, the coordinator
     # gives its verdict: one incident, within 20 ms.
@@ -57,7 +57,7 @@ def standard_log() -> Events:
     e.add(KILL + 0.1, "worker_start", "launcher:n", member="c1", local_rank=2, pid=200, restart=1)
     e.add(KILL + 0.1, "restart", "launcher:n", member="c1", local_rank=2, restart=1)
     e.add(KILL + 0.4, "generation", generation=3, members=["a", "b", "d", "c1"], reason="4 member(s) ready")
-    e.add(KILL + 0.41, "heal", "a", generation=3, receivers=["c1"], step=80, bytes=3000, seconds=0.006)
+    e.add(KILL + 0.41, "heal", "worker:a", sender="a", generation=3, receivers=["c1"], step=80, bytes=3000, seconds=0.006)
     last = e.steps(80, 20, KILL + 0.42, generation=3, members=4)
     for m in ("a", "b", "d", "c1"):
         e.add(last + 0.01, "finished", member=m, step=100)
