@@ -1,4 +1,5 @@
-"""The ``unbroken`` command: ``run`` (launch a node), ``coordinator`` (run one alone), ``status``."""
+"""The ``unbroken`` command: ``run`` (launch a node), ``coordinator`` (run one alone), ``status``,
+``report`` (what happened in a run) and ``demo`` (the example with a few failures, then its report)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
     _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default, help="first restart delay, doubling (default %(default)s)")
     _flag(p, "--tee", type=int, default=None, help="show this local rank's output on the console (default: lowest alive)")
+    _flag(p, "--progress-interval", type=float, default=d["progress_interval"].default,
+          help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
     _flag(p, "--record-samples", action="store_true", help="log every step's sample positions under the run directory")
     p.add_argument("script", help="the training script")
@@ -126,6 +129,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         heartbeat_timeout=args.heartbeat_timeout,
         collective_timeout=args.collective_timeout,
         tee=args.tee,
+        progress_interval=args.progress_interval,
         chaos=args.chaos,
         record_samples=args.record_samples,
         min_members=min_members,
@@ -193,6 +197,12 @@ def _report(args: argparse.Namespace) -> int:
     return report.main(args.run_dirs, as_json=args.json, png=args.png, no_png=args.no_png)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from unbroken import demo
+
+    return demo.run(args.run_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unbroken", description="PyTorch data-parallel training that survives failed nodes.")
     parser.add_argument("--log-level", default="WARNING", help="logging level of unbroken itself (default WARNING)")
@@ -220,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     r.add_argument("--png", default=None, metavar="PATH", help="where to draw the timeline (default RUN_DIR/timeline.png)")
     r.add_argument("--no-png", action="store_true", help="do not draw the timeline")
+    d = sub.add_parser("demo", help="train the example with 4 workers and a few failures, then show the report")
+    d.add_argument("--run-dir", default=None, help="where the run goes (default unbroken-runs/demo-<time>-<pid>)")
     return parser
 
 
@@ -230,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import socket
 
         args.advertise_host = socket.gethostname()
-    handlers = {"run": _run, "coordinator": _coordinator, "status": _status, "report": _report}
+    handlers = {"run": _run, "coordinator": _coordinator, "status": _status, "report": _report, "demo": _demo}
     try:
         return handlers[args.command](args)
     except (UnbrokenError, ValueError) as exc:

@@ -99,6 +99,9 @@ class LaunchSettings:
     """Seconds workers get to exit after SIGTERM before SIGKILL."""
     tee: int | None = None
     """Local rank whose output the console shows (default: the lowest one alive)."""
+    progress_interval: float = 10.0
+    """Seconds between plain progress lines when the output is not a terminal (a terminal gets a
+    live progress bar); 0 turns both off."""
     chaos: str | None = None
     """Fault schedule for the workers (see ``unbroken.chaos``)."""
     record_samples: bool = False
@@ -123,7 +126,7 @@ class LaunchSettings:
             raise ConfigError("need --progress-timeout < --collective-timeout, so that a stuck worker is evicted before its peers give up")
         if self.min_members < 1 or (self.max_members is not None and self.max_members < self.min_members):
             raise ConfigError(f"need 1 <= --min-members <= --max-members, got {self.min_members} and {self.max_members}")
-        for name in ("restart_backoff", "max_restart_backoff", "shutdown_grace", "quorum_timeout", "start_grace"):
+        for name in ("restart_backoff", "max_restart_backoff", "shutdown_grace", "quorum_timeout", "start_grace", "progress_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if self.tee is not None and not 0 <= self.tee < self.nproc_per_node:
@@ -178,6 +181,7 @@ class Launcher:
         self._error_exits: dict[int, int] = {}
         self._finished_at: float | None = None
         self._next_status_check = 0.0
+        self._progress: Any = None
         self.reason = ""
 
     # -- main loop -----------------------------------------------------------------------------
@@ -190,6 +194,9 @@ class Launcher:
             self._start_coordinator()
             self.client = CoordinatorClient(self.address, timeout=30.0)
             self._say(f"run directory {self.run_dir}, coordinator {self.address}, {len(self.workers)} worker(s)")
+            from unbroken.console import ProgressView
+
+            self._progress = ProgressView(self.events.path, self.settings.progress_interval, self._say).start()
             for worker in self.workers:
                 self._spawn(worker)
             code = self._supervise()
@@ -200,6 +207,8 @@ class Launcher:
             self.reason = str(exc)
             code = 1
         finally:
+            if self._progress is not None:
+                self._progress.stop()
             self._shutdown()
             for s, handler in previous.items():
                 signal.signal(s, handler)

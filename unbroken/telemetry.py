@@ -34,6 +34,7 @@ class EventLog:
 
     def __init__(self, path: str | None, source: str) -> None:
         self.source = source
+        self.path = path
         self._fd: int | None = None
         self._lock = threading.Lock()
         if path:

@@ -31,7 +31,8 @@ def start_and_kill_all(run_dir, ckpt, when, *extra):
         os.killpg(proc.pid, signal.SIGKILL)
         harness.kill_leftovers(run_dir)
         proc.wait()
-    assert harness.alive_workers(run_dir) == []
+    # SIGKILLed processes take a moment to be torn down; none may survive
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "every worker of the killed job to be gone")
 
 
 @pytest.mark.parametrize("members", [4, 3], ids=["same-member-count", "fewer-members"])

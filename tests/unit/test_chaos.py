@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from unbroken import chaos
 from unbroken.chaos import KINDS, POINTS, Chaos, Fault, parse
 from unbroken.errors import ConfigError
+from unbroken.telemetry import read_events
 
 # -- parse -----------------------------------------------------------------------------------------
 
@@ -137,3 +141,173 @@ def test_chaos_from_an_empty_environment_has_no_faults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     c = Chaos.from_env()
     assert c.faults == [] and c.run_dir is None
+
+
+# -- the extended language: for=, slow, at=, rank=random --------------------------------------------
+
+
+def test_the_extended_options_parse():
+    assert parse("hang@step,rank=1,step=4,for=3") == [Fault("hang", "step", rank=1, step=4, duration=3.0)]
+    assert parse("slow@step,sleep=0.25,for=10") == [Fault("slow", "step", sleep=0.25, duration=10.0)]
+    assert parse("slow@commit,by=3") == [Fault("slow", "commit", by=3.0)]
+    assert parse("kill@step,at=12.5,step=3") == [Fault("kill", "step", step=3, at=12.5)]
+    assert parse("kill@step,rank=random,seed=4") == [Fault("kill", "step", rank="random", seed=4)]
+
+
+def test_slow_without_a_rate_is_twice_as_slow():
+    (fault,) = parse("slow@step")
+    assert (fault.by, fault.sleep, fault.duration) == (2.0, None, None)
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ("kill@step,for=3", "for=SECONDS applies to hang and slow only"),
+        ("spin@step,for=3", "for=SECONDS applies to hang and slow only"),
+        ("hang@step,by=2", "sleep= and by= apply to slow only"),
+        ("kill@step,sleep=1", "sleep= and by= apply to slow only"),
+        ("slow@step,sleep=1,by=2", "either sleep=SECONDS or by=FACTOR"),
+        ("slow@step,by=0.5", "by=FACTOR must be at least 1"),
+    ],
+)
+def test_options_that_do_not_fit_the_kind_are_config_errors(schedule, message):
+    with pytest.raises(ConfigError, match="bad fault") as caught:
+        parse(schedule)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "condition", ["for=-1", "for=inf", "for=nan", "for=", "at=x", "at= 3", "sleep=1s", "by=", "seed=-1", "seed=1.5", "rank=rand", "rank=Random"]
+)
+def test_bad_values_of_the_extended_options_are_config_errors(condition):
+    kind = "slow" if condition.split("=")[0] in ("sleep", "by") else "hang"
+    with pytest.raises(ConfigError, match="bad condition") as caught:
+        parse(f"{kind}@step,{condition}")
+    assert "rank=random with seed=N" in str(caught.value)
+
+
+def test_rank_random_picks_exactly_one_local_rank_the_same_in_every_worker():
+    def takers(schedule: str, index: int) -> list[int]:
+        # each worker parses the schedule for itself, as under `unbroken run`
+        return [r for r in range(4) if index in [i for i, _ in Chaos(parse(schedule), r, 0, local_world_size=4).faults]]
+
+    drawn = set()
+    for seed in range(20):
+        schedule = f"kill@step,rank=random,seed={seed};kill@commit,rank=random,seed={seed}"
+        for index in range(2):
+            chosen = takers(schedule, index)
+            assert len(chosen) == 1, (seed, index, chosen)
+            assert takers(schedule, index) == chosen
+            drawn.add(chosen[0])
+    assert len(drawn) > 1  # the seed and the position matter
+
+
+def test_rank_random_with_one_local_worker_is_that_worker():
+    assert [i for i, _ in Chaos(parse("kill@step,rank=random,seed=9"), 0, 0).faults] == [0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(chaos.time, "monotonic", c.monotonic)
+    monkeypatch.setattr(chaos.time, "sleep", c.sleep)
+    return c
+
+
+def test_at_counts_seconds_from_the_first_step(signals, clock):
+    c = Chaos(parse("kill@commit,at=5,step=2"), local_rank=0, restart=0)
+    c.point("commit", 9)  # no step yet: the clock has not started
+    c.point("step", 0)
+    clock.now += 4.9
+    c.point("commit", 9)
+    assert signals == []
+    clock.now += 0.1
+    c.point("commit", 1)  # late enough, but the step condition still holds it back
+    assert signals == []
+    c.point("commit", 2)
+    assert signals == [(os.getpid(), signal.SIGKILL)]
+
+
+def test_a_hang_for_a_while_starts_a_helper_that_wakes_the_process(signals, monkeypatch, tmp_path):
+    woken: list[tuple[int, float]] = []
+    monkeypatch.setattr(chaos, "wake_later", lambda pid, seconds: woken.append((pid, seconds)))
+    monkeypatch.setenv("UNBROKEN_MEMBER_ID", "n.w0.r0")
+    Chaos(parse("hang@step,for=3"), local_rank=0, restart=0, run_dir=str(tmp_path)).point("step", 0)
+    assert woken == [(os.getpid(), 3.0)]
+    assert signals == [(os.getpid(), signal.SIGSTOP)]
+    (event,) = read_events(str(tmp_path / "events.jsonl"))[0]
+    assert (event["kind"], event["fault"], event["for"], event["member"]) == ("fault", "hang", 3.0, "n.w0.r0")
+
+
+def test_the_wake_up_helper_continues_a_stopped_process_and_shares_our_process_group():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    helper = None
+    try:
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        wait_for_state(sleeper.pid, "T")
+        helper = chaos.wake_later(sleeper.pid, 0.2)
+        assert os.getpgid(helper.pid) == os.getpgid(0)
+        wait_for_state(sleeper.pid, "S")
+        assert helper.wait(timeout=10) == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        if helper is not None and helper.poll() is None:
+            helper.kill()
+            helper.wait()
+
+
+def wait_for_state(pid: int, state: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == state:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not reach state {state}")
+
+
+def test_slow_sleeps_at_its_point_on_every_visit_while_it_lasts(signals, clock, tmp_path):
+    c = Chaos(parse("slow@step,step=2,sleep=0.5,for=10"), local_rank=0, restart=0, run_dir=str(tmp_path))
+    c.point("step", 1)
+    assert clock.slept == []
+    c.point("step", 2)
+    clock.now += 5
+    c.point("step", 3)
+    c.point("commit", 3)  # another point: not slowed
+    clock.now += 5.1
+    c.point("step", 4)  # past for=10
+    assert clock.slept == [0.5, 0.5]
+    assert signals == []
+    assert [e["fault"] for e in read_events(str(tmp_path / "events.jsonl"))[0]] == ["slow"]
+
+
+def test_slow_by_a_factor_stretches_the_time_between_visits(clock):
+    c = Chaos(parse("slow@step,by=3"), local_rank=0, restart=0)
+    c.point("step", 0)  # fires; no earlier visit to measure
+    clock.now += 1.0
+    c.point("step", 1)
+    clock.now += 0.5
+    c.point("step", 2)
+    assert clock.slept == [2.0, 1.0]
+
+
+def test_a_slowdown_fires_in_only_one_process_of_the_job(clock, tmp_path):
+    first = Chaos(parse("slow@step,sleep=1"), local_rank=0, restart=0, run_dir=str(tmp_path))
+    second = Chaos(parse("slow@step,sleep=1"), local_rank=1, restart=0, run_dir=str(tmp_path))
+    first.point("step", 0)
+    second.point("step", 0)
+    second.point("step", 1)
+    assert clock.slept == [1]

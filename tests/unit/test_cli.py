@@ -35,6 +35,7 @@ RUN_FLAGS = [
     ["--start-grace", "--start_grace"],
     ["--restart-backoff", "--restart_backoff"],
     ["--tee"],
+    ["--progress-interval", "--progress_interval"],
     ["--chaos"],
     ["--record-samples", "--record_samples"],
 ]
@@ -65,10 +66,10 @@ def test_the_run_command_has_exactly_the_pinned_flags():
     assert [a.dest for a in run._actions if not a.option_strings] == ["script", "script_args"]
 
 
-def test_the_subcommands_are_run_coordinator_status_and_report():
+def test_the_subcommands_are_run_coordinator_status_report_and_demo():
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert sorted(sub.choices) == ["coordinator", "report", "run", "status"]
+    assert sorted(sub.choices) == ["coordinator", "demo", "report", "run", "status"]
 
 
 def test_run_defaults_come_from_the_launch_settings():
