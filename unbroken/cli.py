@@ -200,6 +200,8 @@ def _report(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from unbroken import demo
 
+    if args.log_level.upper() == "WARNING":  # the default: the console's own lines say what happens
+        logging.getLogger("unbroken.coordinator").setLevel(logging.ERROR)
     return demo.run(args.run_dir)
 
 

@@ -78,7 +78,8 @@ class RunState:
     def rates(self, now: float) -> tuple[float | None, float | None]:
         """(steps per second, samples per second) over the recent step events, up to ``now``."""
         if len(self.window) >= 2:
-            span = max(now, self.window[-1][0]) - self.window[0][0]
+            end = self.window[-1][0] if self.finished else max(now, self.window[-1][0])  # stalls lower the rate
+            span = end - self.window[0][0]
             if span > 0:
                 recent = list(self.window)[1:]
                 samples = [s for _, s in recent]

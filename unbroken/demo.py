@@ -18,8 +18,12 @@ STEPS = 400
 WORKERS = 4
 # Two kills and a 3-second hang, at different steps and on different workers. The heartbeat
 # timeout of the demo (2 s) is shorter than the hang, so the hung worker is declared dead, the
-# others go on without it, and it rejoins when it wakes up.
-SCHEDULE = "kill@step,rank=1,step=40;hang@step,rank=2,step=120,for=3;kill@step,rank=3,step=200"
+# others go on without it, and it rejoins when it wakes up. The example's steps take a few
+# milliseconds, so worker 0 also sleeps 50 ms in each step (before its optimizer step), standing
+# in for real compute: the killed workers' replacements (a fresh `import torch` each) then have
+# time to rejoin before the end.
+FAULTS = "kill@step,rank=1,step=30;hang@step,rank=2,step=110,for=3;kill@step,rank=3,step=190"
+SCHEDULE = FAULTS + ";slow@commit,rank=0,sleep=0.05"
 HEARTBEAT_TIMEOUT = 2.0
 
 _RUNNER = 'import runpy\nrunpy.run_module("unbroken.demo_train", run_name="__main__", alter_sys=True)\n'
@@ -58,7 +62,7 @@ def run(run_dir: str | None = None) -> int:
         chaos=SCHEDULE,
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
     )
-    print(f"[unbroken] demo: {WORKERS} workers, {STEPS} steps, faults {SCHEDULE!r}", flush=True)
+    print(f"[unbroken] demo: {WORKERS} workers, {STEPS} steps, faults {FAULTS!r}; worker 0 sleeps 50 ms a step (compute)", flush=True)
     code = Launcher(settings).run()
     print(flush=True)
     try:

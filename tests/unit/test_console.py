@@ -74,6 +74,7 @@ def test_the_end_of_the_job_replaces_the_time_left():
     assert "ETA" in s.describe(T0 + 1)
     s.feed({"t": T0 + 1.1, "kind": "finished", "member": "a", "step": 100})
     assert "finished" in s.describe(T0 + 2) and "ETA" not in s.describe(T0 + 2)
+    assert s.rates(T0 + 60)[0] == pytest.approx(1.0)  # the rate of the run, not of the time since
     s.feed({"t": T0 + 2, "kind": "job_failed", "reason": "quorum lost"})
     assert "job failed: quorum lost" in s.describe(T0 + 2)
 

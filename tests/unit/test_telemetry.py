@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
-from unbroken.telemetry import EventLog, read_events
+import pytest
+
+from unbroken.telemetry import KINDS, EventLog, read_events
 
 
 def test_an_event_log_without_a_path_is_a_disabled_no_op(tmp_path):
@@ -108,3 +111,22 @@ def test_read_events_survives_bytes_that_are_not_utf8(tmp_path):
     events, bad = read_events(str(path))
     assert [e["kind"] for e in events] == ["a", "b"]
     assert bad == [2]
+
+
+def test_emit_refuses_fields_that_would_replace_the_common_ones(tmp_path):
+    log = EventLog(str(tmp_path / "events.jsonl"), "worker:a")
+    for name in ("source", "t"):
+        with pytest.raises(ValueError, match="common fields"):
+            log.emit("heal", **{name: "x"})
+    log.close()
+    assert (tmp_path / "events.jsonl").read_text() == ""
+
+
+def test_every_kind_written_is_listed_and_documented():
+    root = Path(__file__).resolve().parents[2]
+    written = set()
+    for path in (root / "unbroken").glob("*.py"):
+        written |= set(re.findall(r'\bemit\(\s*"(\w+)"', path.read_text()))
+    assert written == set(KINDS)
+    docs = (root / "docs" / "events.md").read_text()
+    assert {kind for kind in KINDS if f"| `{kind}` |" in docs} == set(KINDS)

@@ -1,0 +1,164 @@
+"""Seeing what happened: the metrics endpoint, `unbroken status`, the progress lines and the
+report of one real run with one SIGKILL and its rejoin.
+
+One 3-worker run serves every test here (a module fixture): while it runs, the fixture scrapes
+the coordinator's /metrics every few tens of milliseconds and records what it saw; the tests then
+check those observations and the run's report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+STEPS = 100
+KILL_STEP = 15
+STEP_DELAY = 0.2
+
+
+def scrape(port: int) -> dict[str, float] | None:
+    """``{metric name{labels}: value}`` from the coordinator, or None if it did not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            found[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return found
+
+
+def status(port: int) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "unbroken", "status", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    """Run the job, scraping its metrics throughout; returns what was seen."""
+    run_dir = str(tmp_path_factory.mktemp("observed") / "run")
+    out_path = os.path.join(os.path.dirname(run_dir), "console.txt")
+    argv = [
+        sys.executable, "-m", "unbroken", "run", "--run-dir", run_dir, "--nproc-per-node", "3",
+        "--chaos", f"kill@step,rank=1,step={KILL_STEP}", "--restart-backoff", "5", "--progress-interval", "2",
+        harness.EXACT, "--steps", str(STEPS), "--step-delay", str(STEP_DELAY),
+    ]
+    seen: dict = {"scrapes": [], "status": {}}
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        start = harness.wait_for(lambda: harness.Run(0, "", "", run_dir).events("coordinator_start"), 60, "the coordinator to start")
+        port = start[0]["port"]
+
+        def observe() -> bool:
+            if proc.poll() is not None:
+                return True
+            metrics = scrape(port)
+            if metrics is None:
+                return False
+            seen["scrapes"].append((time.time(), metrics))
+            members, generation = metrics["unbroken_members"], metrics["unbroken_generation"]
+            if generation >= 1 and members == 3 and "healthy" not in seen["status"]:
+                seen["status"]["healthy"] = status(port)
+            if members == 2 and "healthy" in seen["status"] and "degraded" not in seen["status"]:
+                seen["status"]["degraded"] = status(port)
+            return False
+
+        harness.wait_for(observe, 240, "the run to end")
+        seen["code"] = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        seen["leftovers"] = harness.kill_leftovers(run_dir)
+    with open(out_path) as f:
+        seen["console"] = f.read()
+    seen["run"] = harness.Run(seen["code"], seen["console"], "", run_dir)
+    return seen
+
+
+def test_the_run_finished_with_one_kill_and_its_rejoin(observed):
+    run = observed["run"]
+    assert run.code == 0, run.stdout[-3000:]
+    assert observed["leftovers"] == []
+    (fault,) = run.events("fault")
+    assert (fault["fault"], fault["step"]) == ("kill", KILL_STEP)
+    workers = {w["local_rank"]: w for w in run.summary()["workers"]}
+    assert workers[1]["restarts"] == 1 and workers[1]["exits"][0]["how"] == "killed by SIGKILL"
+    assert any(".w1.r1" in r for e in run.events("heal") for r in e["receivers"]), "the restarted worker never rejoined"
+
+
+def test_the_members_metric_is_3_then_2_after_the_kill_then_3_again(observed):
+    (fault,) = observed["run"].events("fault")
+    series = [(t, m["unbroken_members"], m["unbroken_generation"]) for t, m in observed["scrapes"]]
+    healthy = [s for s in series if s[0] < fault["t"] and s[2] >= 1]
+    assert healthy and all(members == 3 for _, members, _ in healthy), healthy
+    after = [s for s in series if s[0] > fault["t"]]
+    two = next((i for i, s in enumerate(after) if s[1] == 2), None)
+    assert two is not None, f"never saw 2 members after the kill: {after[:20]}"
+    assert any(s[1] == 3 and s[2] > after[two][2] for s in after[two:]), "never saw the restarted worker back"
+    last = observed["scrapes"][-1][1]
+    assert last['unbroken_failures_total{detected_by="launcher"}'] == 1
+    assert last["unbroken_stall_seconds_count"] >= 1
+    assert last["unbroken_committed_step"] >= KILL_STEP
+
+
+def test_unbroken_status_lists_the_members(observed):
+    healthy = observed["status"]["healthy"]
+    members = observed["run"].events("generation")[0]["members"]
+    assert len(members) == 3
+    for member in members:
+        assert any(line.strip().startswith(member) and "active" in line for line in healthy.splitlines()), healthy
+    degraded = observed["status"]["degraded"]
+    assert any(".w1.r0" in line and "dead" in line and "SIGKILL" in line for line in degraded.splitlines()), degraded
+
+
+def test_without_a_terminal_the_console_prints_plain_progress_lines(observed):
+    lines = [l for l in observed["console"].splitlines() if l.startswith("[unbroken] step ")]
+    assert lines, observed["console"][-3000:]
+    assert all(f"/{STEPS} (" in l and "members " in l and "samples/s" in l for l in lines), lines
+    assert any("last failure" in l and ".w1.r0 killed by SIGKILL" in l for l in lines), lines
+
+
+def test_the_report_counts_the_kill_its_restart_the_generations_and_the_steps(observed):
+    run = observed["run"]
+    report = harness.command(["report", run.run_dir, "--json"], None, 120)
+    assert report.code == 0, report.stderr
+    f = json.loads(report.stdout)
+    assert f["failures"]["total"] == 1 and f["failures"]["by_kind"] == {"launcher": 1}
+    assert f["restarts"] == 1
+    assert f["generations"] == len({e["generation"] for e in run.events("generation")}) >= 3
+    assert f["steps_committed"] == STEPS and f["next_step"] == STEPS and f["finished"]
+    assert f["bad_lines"] == []
+    assert os.path.getsize(f["timeline"]) > 0
+
+    # The stall, bounded from outside: from the fault to the commit of the step it interrupted,
+    # plus one step (step time and the script's delay) of margin.
+    (fault,) = run.events("fault")
+    redone = min((e for e in run.events("step") if e["t"] > fault["t"] and e["step"] >= fault["step"]), key=lambda e: e["t"])
+    one_step = statistics.median(e["seconds"] for e in run.events("step")) + STEP_DELAY
+    bound = redone["t"] - fault["t"] + one_step
+    (incident,) = f["incidents"]
+    assert incident["members"][0].endswith(".w1.r0")
+    assert 0 <= incident["stall_seconds"] <= bound, (incident, bound)
+    assert f["stall_seconds"]["count"] == 1 and f["stall_seconds"]["max"] == incident["stall_seconds"]
