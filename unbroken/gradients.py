@@ -178,6 +178,20 @@ class GradientReducer:
     def disarm(self) -> None:
         self._armed = False
 
+    def renew_buffers(self) -> None:
+        """Give every bucket a new flat buffer after a generation was abandoned.
+
+        An abandoned allreduce is never cancelled: it stays queued in the parked process group
+        and completes if the member it waited for comes back (a stopped process woken by
+        SIGCONT sends its share into the old generation). Gloo then writes the result into the
+        buffer it was given, so that buffer must never be used for a later step.
+        """
+        self._armed = False
+        for bucket in self.buckets:
+            bucket.flat = torch.zeros_like(bucket.flat)
+            bucket.work = None
+            bucket.launched = False
+
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()

@@ -141,6 +141,7 @@ class Step:
         self._backwards = 0
         self._loss_sum: torch.Tensor | None = None
         self._armed = False
+        self._stale: str | None = None
         self._reduced: bool | None = None
         self.reconfigure = False
         self.loss: float | None = None
@@ -180,6 +181,11 @@ class Step:
         if job._reducer is None or self._armed:
             return
         self._armed = True
+        # A member that was stopped while its generation moved on must not send anything into
+        # that generation (its peers' abandoned collectives would complete with it).
+        self._stale = job._abandon_reason(self.generation)
+        if self._stale:
+            return
         job._record_attempt(self)
         job._reducer.arm(job._group, job._reconfigure_wanted(), self._loss_sum)
 
@@ -198,6 +204,8 @@ class Step:
             return True
         try:
             self._arm()
+            if self._stale:
+                raise GenerationFailed(f"step {self.index} not sent: {self._stale}")
             flag, loss = job._reducer.finish(lambda: job._chaos.point("allreduce", self.index))
             job._sync_buffers()
             self.reconfigure = flag > 0
@@ -691,6 +699,8 @@ class Job:
         self._events.emit("checkpoint", **info)
 
     def _abandon(self, reason: str) -> None:
+        if self._reducer is not None:
+            self._reducer.renew_buffers()
         if self._schedule is not None:
             self._schedule.failure()
         if self._group is not None:
@@ -718,9 +728,10 @@ class Job:
         except GenerationFailed as exc:
             self._abandon(str(exc))
             return False
-        hashes = {bytes(r).hex() for r in table.tolist()}
-        if len(hashes) != 1:
-            raise ReplicaDivergence(f"members hold different parameters after step {self.next_step}: {sorted(hashes)}")
+        rows = [bytes(r).hex() for r in table.tolist()]
+        if len(set(rows)) != 1:
+            by_member = ", ".join(f"{m}={h[:12]}" for m, h in zip(self._group.members, rows))
+            raise ReplicaDivergence(f"members hold different parameters after step {self.next_step} (generation {self.generation}): {by_member}")
         self.replica_hash = digest.hexdigest()
         self._events.emit("replicas", generation=self.generation, members=self.member_count, hash=self.replica_hash, step=self.next_step)
         log.info("%s: %d replicas identical at step %d (sha256 %s)", self.member_id, self.member_count, self.next_step, self.replica_hash[:16])

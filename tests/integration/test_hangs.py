@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow
 
 
 
-def start(argv, run_dir):
+def start(argv, run_dir, env=None):
     return subprocess.Popen(
         [sys.executable, "-m", "unbroken", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True, cwd=run_dir,
+        text=True, start_new_session=True, cwd=run_dir, env={**os.environ, **(env or {})},
     )
 
 
@@ -44,6 +44,8 @@ def test_a_stopped_worker_is_dropped_within_the_heartbeat_timeout_and_rejoins_wi
          "--chaos", "hang@step,rank=2,step=10",
          harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.1", "--out", f"{run_dir}/final"],
         str(tmp_path),
+        # compare replicas after every commit: a woken member must not disturb its peers' steps
+        env={"UNBROKEN_VERIFY_EVERY": "1"},
     )
     run = harness.Run(0, "", "", run_dir)
     try:

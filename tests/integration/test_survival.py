@@ -30,9 +30,12 @@ def check_same_model_and_replicas(run, reference):
     for member, params in finals.items():
         assert harness.max_relative_difference(params, reference["healthy"]) < 1e-8, member
         assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
-    hashes = {e["hash"] for e in run.events("replicas")}
-    checked = {e["source"] for e in run.events("replicas")}
-    assert len(hashes) == 1 and len(checked) == len(finals)
+    by_step = {}
+    for e in run.events("replicas"):
+        by_step.setdefault(e["step"], set()).add(e["hash"])
+    assert all(len(hashes) == 1 for hashes in by_step.values()), by_step
+    checked = {e["source"] for e in run.events("replicas") if e["step"] == STEPS}
+    assert len(checked) == len(finals)
 
 
 def test_failure_free_run_matches_a_single_process_and_applies_every_sample_once(reference):
