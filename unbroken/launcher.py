@@ -405,9 +405,20 @@ class Launcher:
         if worker.restarts:
             self.events.emit("restart", member=worker.member_id, local_rank=worker.local_rank, restart=worker.restarts)
         threading.Thread(target=self._pump, args=(worker, proc, logfile), daemon=True).start()
+        threading.Thread(target=self._reap, args=(worker, proc), daemon=True).start()
+
+    def _reap(self, worker: Worker, proc: subprocess.Popen) -> None:
+        """Report a worker's exit the moment it happens, and end what it left running.
+
+        The exit is taken from the process itself, not from the end of its output: a child the
+        worker started may hold the output pipe open long after the worker died. Its process
+        group is killed right away (the group id cannot be reused while any member lives)."""
+        code = proc.wait()
+        _signal_group(proc, signal.SIGKILL)
+        self._exits.put((worker, proc, code))
 
     def _pump(self, worker: Worker, proc: subprocess.Popen, logfile: IO[bytes]) -> None:
-        """Copy a worker's output to its log (and the console), then report its exit."""
+        """Copy a worker's output to its log (and the console) until the pipe closes."""
         assert proc.stdout is not None
         for line in iter(proc.stdout.readline, b""):
             logfile.write(line)
@@ -415,9 +426,7 @@ class Launcher:
                 with self._console_lock:
                     sys.stdout.write(f"[w{worker.local_rank}] {line.decode(errors='replace')}")
                     sys.stdout.flush()
-        code = proc.wait()
         logfile.close()
-        self._exits.put((worker, proc, code))
 
     def _console_rank(self) -> int | None:
         if self.settings.tee is not None:
@@ -460,10 +469,7 @@ class Launcher:
         for proc in running:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
-        for w in self.workers:
-            if w.proc is not None:
-                # Children the script started in its own session die with it.
-                _signal_group(w.proc, signal.SIGKILL)
+            _signal_group(proc, signal.SIGKILL)  # children the worker started die with it
 
     def _say(self, message: str) -> None:
         with self._console_lock:

@@ -359,7 +359,7 @@ class Job:
             return
         finished = False
         self._start()
-        self._open_checkpoints(resume=self.fresh and self._client.status().get("generation", 0) == 0)
+        self._open_checkpoints(resume=self.fresh and not self._live_state_elsewhere())
         try:
             while True:
                 if self._group is None:
@@ -368,9 +368,9 @@ class Job:
                         break
                     continue
                 if self.next_step >= total:
+                    self._final_checkpoint()
                     if self._verify_replicas():
                         finished = True
-                        self._final_checkpoint()
                         break
                     continue
                 reason = self._abandon_reason(self.generation)
@@ -501,6 +501,7 @@ class Job:
                 group.connect(self._store_for(reply["store_host"], reply["store_port"]), reply["prefix"], reply["store_host"])
                 self._heal(group)
             except GenerationFailed as exc:
+                self._store = None  # a broken store connection must not break every later generation
                 self._report_failure(number, str(exc))
                 self._graveyard.append(group)
                 continue
@@ -539,7 +540,10 @@ class Job:
 
             import torch.distributed as dist
 
-            self._store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.settings.collective_timeout))
+            try:
+                self._store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.settings.collective_timeout))
+            except Exception as exc:  # DistNetworkError / RuntimeError from torch
+                raise GenerationFailed(f"cannot reach the process-group store at {host}:{port}: {exc}") from None
         return self._store
 
     def _heal(self, group: Any) -> None:
@@ -652,6 +656,15 @@ class Job:
         print(f"unbroken: resumed from step {self.next_step} of {location}", flush=True)
         self._events.emit("resume", step=self.next_step, location=location)
 
+    def _live_state_elsewhere(self) -> bool:
+        """True when another live member holds training state to heal from (so a fresh member
+        need not read a checkpoint); False at the start of a job and after every member died."""
+        status = self._client.status()
+        return any(
+            m["state"] in ("waiting", "active") and m["step"] > 0 and m["member"] != self.member_id
+            for m in status.get("members", [])
+        )
+
     def _maybe_checkpoint(self) -> None:
         if self._schedule is None or self.member_index != 0:
             return
@@ -682,18 +695,27 @@ class Job:
 
     def _save(self) -> None:
         meta = {"generation": self.generation, "members": list(self._group.members) if self._group else [self.member_id]}
-        stall = self._saver.save(self.next_step, self._state(), meta)
+        self._blocked("checkpoint snapshot")  # may wait for the previous write: not a straggler
+        try:
+            stall = self._saver.save(self.next_step, self._state(), meta)
+        finally:
+            self._blocked(None)
         if self._schedule is not None:
             self._schedule.began(time.monotonic())
             self._save_cost, self._save_cost_pending = stall, True
 
     def _final_checkpoint(self) -> None:
-        """Rank 0 saves the final state and waits until it is durable."""
+        """Rank 0 saves the final state and waits until it is durable (before the final replica
+        check, so that no member leaves, and no launcher stops anyone, while it writes)."""
         if self._saver is None:
             return
         if self._schedule is not None and self.member_index == 0:
             self._save()
-        self._saver.wait()
+        self._blocked("checkpoint write")  # waiting on purpose: not a straggler
+        try:
+            self._saver.wait()
+        finally:
+            self._blocked(None)
 
     def _checkpoint_done(self, info: dict[str, Any]) -> None:
         self._events.emit("checkpoint", **info)
@@ -799,4 +821,6 @@ class _ExitGuard:
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1 if cls.crashed else 0)
+            # A script that exits with sys.exit(n) after an unfinished job must not look like
+            # success; the exact status of such an exit is not known here.
+            os._exit(1 if cls.crashed or not cls.finished else 0)
