@@ -404,10 +404,11 @@ class Launcher:
         self.events.emit("worker_start", member=worker.member_id, local_rank=worker.local_rank, pid=proc.pid, restart=worker.restarts)
         if worker.restarts:
             self.events.emit("restart", member=worker.member_id, local_rank=worker.local_rank, restart=worker.restarts)
-        threading.Thread(target=self._pump, args=(worker, proc, logfile), daemon=True).start()
-        threading.Thread(target=self._reap, args=(worker, proc), daemon=True).start()
+        pump = threading.Thread(target=self._pump, args=(worker, proc, logfile), daemon=True)
+        pump.start()
+        threading.Thread(target=self._reap, args=(worker, proc, pump), daemon=True).start()
 
-    def _reap(self, worker: Worker, proc: subprocess.Popen) -> None:
+    def _reap(self, worker: Worker, proc: subprocess.Popen, pump: threading.Thread) -> None:
         """Report a worker's exit the moment it happens, and end what it left running.
 
         The exit is taken from the process itself, not from the end of its output: a child the
@@ -415,6 +416,7 @@ class Launcher:
         group is killed right away (the group id cannot be reused while any member lives)."""
         code = proc.wait()
         _signal_group(proc, signal.SIGKILL)
+        pump.join(timeout=2.0)  # its last lines (a traceback) belong in the log before the verdict
         self._exits.put((worker, proc, code))
 
     def _pump(self, worker: Worker, proc: subprocess.Popen, logfile: IO[bytes]) -> None:
