@@ -657,13 +657,11 @@ class Job:
         self._events.emit("resume", step=self.next_step, location=location)
 
     def _live_state_elsewhere(self) -> bool:
-        """True when another live member holds training state to heal from (so a fresh member
-        need not read a checkpoint); False at the start of a job and after every member died."""
+        """True when a live generation exists to heal from (so a fresh member need not read a
+        checkpoint); False at the start of a job and after every member died. At a start every
+        member joins before the first generation forms, so every member reads the checkpoint."""
         status = self._client.status()
-        return any(
-            m["state"] in ("waiting", "active") and m["step"] > 0 and m["member"] != self.member_id
-            for m in status.get("members", [])
-        )
+        return any(m["state"] == "active" and m["member"] != self.member_id for m in status.get("members", []))
 
     def _maybe_checkpoint(self) -> None:
         if self._schedule is None or self.member_index != 0:
