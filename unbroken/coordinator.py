@@ -94,7 +94,7 @@ class Coordinator:
 
         try:
             self._store = dist.TCPStore(
-                self.settings.host if self.settings.host != "0.0.0.0" else "0.0.0.0",
+                self.settings.host,
                 self.settings.store_port,
                 is_master=True,
                 wait_for_workers=False,

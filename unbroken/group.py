@@ -79,24 +79,24 @@ class GenerationGroup:
 
         thread = threading.Thread(target=build, name=f"unbroken-connect-g{self.number}", daemon=True)
         thread.start()
-        self._watch(lambda: bool(result), "connecting the process group", poll=None)
+        self._watch(lambda: bool(result), "connecting the process group")
         if isinstance(result[0], BaseException):
             raise GenerationFailed(f"generation {self.number}: connect failed: {result[0]}")
         self.pg = result[0]
 
     # -- waits ---------------------------------------------------------------------------------
 
-    def _watch(self, done: Callable[[], bool], what: str, poll: float | None) -> None:
+    def _watch(self, done: Callable[[], bool], what: str) -> None:
         if done():
             return
         self._waits += 1
         self._blocked(f"g{self.number}:{self._waits}:{what}")  # for the coordinator's progress watchdog
         try:
-            self._watch_loop(done, what, poll)
+            self._watch_loop(done, what)
         finally:
             self._blocked(None)
 
-    def _watch_loop(self, done: Callable[[], bool], what: str, poll: float | None) -> None:
+    def _watch_loop(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             if done():
@@ -107,7 +107,7 @@ class GenerationGroup:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GenerationFailed(f"generation {self.number}: {what} timed out after {self.timeout:.1f} s")
-            self._wake.wait(min(remaining, poll if poll is not None else 1.0))
+            self._wake.wait(min(remaining, 1.0))
             self._wake.clear()
 
     def wait(self, work: Any, what: str) -> None:
@@ -118,7 +118,7 @@ class GenerationGroup:
             future = None
         if future is not None:
             future.add_done_callback(lambda _: self._wake.set())
-            self._watch(future.done, what, poll=None)
+            self._watch(future.done, what)
             error = None
             try:
                 work.wait()
@@ -138,7 +138,7 @@ class GenerationGroup:
                 self._wake.set()
 
             threading.Thread(target=blocking_wait, name="unbroken-wait", daemon=True).start()
-            self._watch(lambda: bool(outcome), what, poll=None)
+            self._watch(lambda: bool(outcome), what)
             error = outcome[0]
         if error is not None:
             raise GenerationFailed(f"generation {self.number}: {what} failed: {error}") from None
