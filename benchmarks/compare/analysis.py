@@ -1,0 +1,118 @@
+"""What a run's step logs say: step time, stall, steps redone, rejoin, samples lost or repeated.
+
+Pure functions over the records that ``workload.StepLog`` writes, the same for every system.
+
+The *final trajectory* is what the finished model is made of: for each step number, the last
+execution of it. A system that rolls back to a checkpoint commits steps again; the later
+commits replace the earlier ones. All records of step s of one execution come before any record
+of step s + 1 (a member's next allreduce needs every member's previous commit), so a record for
+a step at or below the highest seen so far starts a new execution of that step when it comes
+from a rank already recorded for it, or from a different member count.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+
+
+def read(directory: str) -> list[dict]:
+    """Every record of every process under ``directory``, ordered by time; torn lines are skipped."""
+    records = []
+    for path in glob.glob(os.path.join(directory, "w_*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    records.sort(key=lambda r: r["t"])
+    return records
+
+
+def steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["k"] == "step"]
+
+
+@dataclass
+class Trajectory:
+    """The final trajectory: step number -> the records of its last execution."""
+
+    by_step: dict[int, list[dict]] = field(default_factory=dict)
+    redone: int = 0  # committed steps that were executed again after a rollback
+
+    def positions(self) -> list[tuple[int, int]]:
+        return [tuple(p) for s in sorted(self.by_step) for r in self.by_step[s] for p in r["pos"]]
+
+
+def trajectory(records: list[dict]) -> Trajectory:
+    result = Trajectory()
+    top = -1
+    for r in steps(records):
+        s = r["step"]
+        current = result.by_step.get(s)
+        again = current is not None and (any(c["rank"] == r["rank"] for c in current) or current[0]["world"] != r["world"])
+        if s < top or again:
+            dropped = [k for k in result.by_step if k >= s]
+            result.redone += len(dropped)
+            for k in dropped:
+                del result.by_step[k]
+        result.by_step.setdefault(s, []).append(r)
+        top = s if (s < top or again) else max(top, s)
+    return result
+
+
+def samples(traj: Trajectory, global_batch: int) -> dict:
+    """Samples the final model missed (lost) or saw more than once (repeated), by stream position."""
+    seen: dict[int, int] = {}
+    for a, b in traj.positions():
+        for p in range(a, b):
+            seen[p] = seen.get(p, 0) + 1
+    expected = {p for s in traj.by_step for p in range(s * global_batch, (s + 1) * global_batch)}
+    return {
+        "steps": len(traj.by_step),
+        "useful": len(expected & seen.keys()),
+        "lost": len(expected - seen.keys()),
+        "repeated": sum(c - 1 for c in seen.values()) + len(seen.keys() - expected),
+    }
+
+
+def step_seconds(records: list[dict], warmup: int = 50) -> float | None:
+    """Median time between consecutive commits of the lowest rank, after ``warmup`` steps."""
+    times = {}
+    for r in steps(records):
+        if r["rank"] == 0 and r["step"] >= warmup:
+            times[r["step"]] = r["t"]
+    gaps = [times[s] - times[s - 1] for s in times if s - 1 in times]
+    return statistics.median(gaps) if gaps else None
+
+
+def after_fault(records: list[dict], t_fault: float, victim: int, healthy: float) -> dict:
+    """Stall: fault to the first commit of a step beyond the last one committed before it, less a step."""
+    before = [r["step"] for r in steps(records) if r["t"] < t_fault]
+    last = max(before) if before else -1
+    progress = [r for r in steps(records) if r["t"] >= t_fault and r["step"] > last and r["pid"] != victim]
+    return {"last_step": last, "stall": (progress[0]["t"] - t_fault - healthy) if progress else None}
+
+
+def rejoin(records: list[dict], t_fault: float, old_pids: set[int]) -> float | None:
+    """The slowest new process started after the fault: its start to its first commit."""
+    starts = {r["pid"]: r["t"] for r in records if r["k"] == "start" and r["pid"] not in old_pids and r["t"] >= t_fault - 1}
+    firsts: dict[int, float] = {}
+    for r in steps(records):
+        if r["pid"] in starts and r["pid"] not in firsts:
+            firsts[r["pid"]] = r["t"]
+    if not firsts:
+        return None
+    return max(firsts[p] - starts[p] for p in firsts)
+
+
+def summarize(values: list[float | None]) -> dict:
+    """Median and range of the measured values; ``missing`` counts runs that gave none."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"median": None, "min": None, "max": None, "n": 0, "missing": len(values)}
+    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got), "missing": len(values) - len(got)}

@@ -1,0 +1,100 @@
+"""The comparison benchmark's log analysis: trajectory, samples, stall and rejoin."""
+
+import json
+
+import pytest
+
+from benchmarks.compare import analysis
+
+G = 6  # global batch
+
+
+def rec(t, step, rank, world, pid=None, pos=None):
+    if pos is None:
+        base, extra = divmod(G, world)
+        a = step * G + rank * base + min(rank, extra)
+        pos = [[a, a + base + (1 if rank < extra else 0)]]
+    return {"k": "step", "t": t, "pid": pid if pid is not None else 100 + rank, "step": step, "rank": rank, "world": world, "pos": pos}
+
+
+def run(steps, world=3, t0=0.0, dt=1.0, pids=None):
+    out = []
+    for i, s in enumerate(steps):
+        for r in range(world):
+            out.append(rec(t0 + i * dt + r * 0.01, s, r, world, pid=(pids or {}).get(r)))
+    return out
+
+
+def test_healthy_run_has_no_loss_no_repeat_no_redo():
+    traj = analysis.trajectory(run(range(10)))
+    assert analysis.samples(traj, G) == {"steps": 10, "useful": 60, "lost": 0, "repeated": 0}
+    assert traj.redone == 0
+
+
+def test_rollback_replaces_the_rolled_back_steps_and_counts_them():
+    # steps 0..12 committed, then a restart from the checkpoint at step 10: 10, 11, 12 again
+    records = run(range(13)) + run(range(10, 16), t0=100)
+    traj = analysis.trajectory(records)
+    assert traj.redone == 3
+    assert analysis.samples(traj, G) == {"steps": 16, "useful": 96, "lost": 0, "repeated": 0}
+
+
+def test_shrunk_global_batch_counts_lost_samples():
+    # torchft-like: replica 2 is gone for steps 3 and 4, its share is never read
+    records = run(range(3))
+    for s in (3, 4):
+        records += [rec(10 + s, s, r, 2, pos=[[s * G + 2 * r, s * G + 2 * r + 2]]) for r in range(2)]
+    traj = analysis.trajectory(records)
+    assert analysis.samples(traj, G) == {"steps": 5, "useful": 26, "lost": 4, "repeated": 0}
+    assert traj.redone == 0
+
+
+def test_reading_the_same_positions_twice_counts_repeats():
+    records = run(range(2)) + [rec(5, 2, 0, 3, pos=[[0, 2]]), rec(5.1, 2, 1, 3), rec(5.2, 2, 2, 3)]
+    assert analysis.samples(analysis.trajectory(records), G)["repeated"] == 2
+
+
+def test_a_step_redone_in_a_new_member_count_replaces_a_partial_commit():
+    # member 2 committed step 4 alone and died; the two survivors redo step 4 with two members
+    records = run(range(4)) + [rec(4.0, 4, 2, 3)] + [rec(6 + r * 0.01, 4, r, 2) for r in range(2)]
+    traj = analysis.trajectory(records)
+    assert [r["world"] for r in traj.by_step[4]] == [2, 2]
+    assert analysis.samples(traj, G)["lost"] == 0
+
+
+def test_stall_is_fault_to_new_progress_less_a_step():
+    records = run(range(5), dt=0.1) + run(range(5, 8), t0=3.0, dt=0.1)
+    got = analysis.after_fault(records, t_fault=0.45, victim=-1, healthy=0.1)
+    assert got["last_step"] == 4
+    assert got["stall"] == pytest.approx(3.0 - 0.45 - 0.1)
+
+
+def test_stall_ignores_the_victims_own_commits_and_is_none_without_progress():
+    records = run(range(3), dt=0.1, pids={1: 7})
+    assert analysis.after_fault(records, 10.0, victim=7, healthy=0.1)["stall"] is None
+    late = records + [rec(11.0, 3, 1, 3, pid=7)]
+    assert analysis.after_fault(late, 10.0, victim=7, healthy=0.1)["stall"] is None
+
+
+def test_rejoin_measures_new_processes_from_their_start():
+    records = run(range(3), dt=0.1) + [{"k": "start", "t": 5.0, "pid": 9}] + [rec(8.5, 3, 1, 3, pid=9), rec(8.6, 4, 1, 3, pid=9)]
+    records.sort(key=lambda r: r["t"])
+    assert analysis.rejoin(records, 4.0, old_pids={100, 101, 102}) == pytest.approx(3.5)
+    assert analysis.rejoin(records, 4.0, old_pids={9}) is None
+
+
+def test_step_seconds_is_the_median_gap_after_warmup():
+    records = run(range(100), dt=0.01)
+    assert analysis.step_seconds(records, warmup=50) == pytest.approx(0.01)
+    assert analysis.step_seconds(records, warmup=200) is None
+
+
+def test_read_skips_torn_lines(tmp_path):
+    good = [rec(2, 1, 0, 3), rec(1, 0, 0, 3)]
+    (tmp_path / "w_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good) + '{"k": "st')
+    assert [r["step"] for r in analysis.read(str(tmp_path))] == [0, 1]
+
+
+def test_summarize_reports_missing_runs():
+    assert analysis.summarize([1.0, None, 3.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 2, "missing": 1}
+    assert analysis.summarize([None])["median"] is None
