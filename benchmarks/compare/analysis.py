@@ -52,6 +52,8 @@ def trajectory(records: list[dict]) -> Trajectory:
     result = Trajectory()
     top = -1
     for r in steps(records):
+        if not r["pos"]:
+            continue  # a step this process committed without contributing samples (healing)
         s = r["step"]
         current = result.by_step.get(s)
         again = current is not None and (any(c["rank"] == r["rank"] for c in current) or current[0]["world"] != r["world"])

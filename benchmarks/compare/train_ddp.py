@@ -22,13 +22,15 @@ def extra(parser):
 
 
 args = arguments(extra)
-log = StepLog(args.log)
+log = StepLog(args.step_log)
 x, y, model, optimizer = setup(args.width)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 path = os.path.join(args.checkpoint_dir, "checkpoint.pt") if args.checkpoint_dir else None
 start = 0
+if path:
+    os.makedirs(args.checkpoint_dir, exist_ok=True)
 if path and os.path.exists(path):
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"])

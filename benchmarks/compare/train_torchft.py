@@ -30,7 +30,7 @@ def extra(parser):
 
 
 args = arguments(extra)
-log = StepLog(args.log)
+log = StepLog(args.step_log)
 x, y, model, inner = setup(args.width)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the replica group's own store
 manager = Manager(
@@ -76,8 +76,10 @@ while True:
         allreduce_gradients()
     optimizer.step()  # commits only if every participant agrees
     if manager.current_step() > before:
-        participated = manager.is_participating()
-        log.step(before, args.replica, manager.num_participants(), [(a, b)] if participated else [])
+        if manager.is_participating():
+            log.step(before, args.replica, manager.num_participants(), [(a, b)])
+        else:  # a healing step: the state came from a peer, this replica's gradient was zeroed
+            log.step(manager.current_step() - 1, args.replica, manager.num_participants(), [])
 log.write("done")
 sys.stdout.flush()
 manager.shutdown(wait=False)

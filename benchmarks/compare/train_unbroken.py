@@ -11,7 +11,7 @@ import torch  # noqa: E402
 import unbroken  # noqa: E402
 
 args = arguments()
-log = StepLog(args.log)
+log = StepLog(args.step_log)
 x, y, model, optimizer = setup(args.width)
 dataset = torch.utils.data.TensorDataset(x, y)
 job = unbroken.Job(model, optimizer, dataset, global_batch_size=args.global_batch, seed=0)

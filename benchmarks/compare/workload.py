@@ -30,7 +30,7 @@ CLASSES = 10
 def arguments(extra=None) -> argparse.Namespace:
     """The options every training script takes (``extra`` adds the system's own)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--log", required=True, help="directory for the step logs")
+    parser.add_argument("--step-log", required=True, help="directory for the step logs")
     parser.add_argument("--steps", type=int, default=600, help="steps to train; 0 = until stopped")
     parser.add_argument("--global-batch", type=int, default=96)
     parser.add_argument("--width", type=int, default=256)
