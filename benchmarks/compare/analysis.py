@@ -7,7 +7,8 @@ execution of it. A system that rolls back to a checkpoint commits steps again; t
 commits replace the earlier ones. All records of step s of one execution come before any record
 of step s + 1 (a member's next allreduce needs every member's previous commit), so a record for
 a step at or below the highest seen so far starts a new execution of that step when it comes
-from a rank already recorded for it, or from a different member count.
+from a rank already recorded for it, from a different member count, or when the step has no
+record yet; otherwise it is a late record of the same execution (its writer was stopped).
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def trajectory(records: list[dict]) -> Trajectory:
         s = r["step"]
         current = result.by_step.get(s)
         again = current is not None and (any(c["rank"] == r["rank"] for c in current) or current[0]["world"] != r["world"])
-        if s < top or again:
+        late = current is not None and not again  # e.g. a member stopped before it wrote its record
+        if (s < top and not late) or again:
             dropped = [k for k in result.by_step if k >= s]
             result.redone += len(dropped)
             for k in dropped:
                 del result.by_step[k]
         result.by_step.setdefault(s, []).append(r)
-        top = s if (s < top or again) else max(top, s)
+        top = s if ((s < top and not late) or again) else max(top, s)
     return result
 
 

@@ -98,3 +98,12 @@ def test_read_skips_torn_lines(tmp_path):
 def test_summarize_reports_missing_runs():
     assert analysis.summarize([1.0, None, 3.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 2, "missing": 1}
     assert analysis.summarize([None])["median"] is None
+
+
+def test_a_late_record_of_a_stopped_member_joins_its_own_execution():
+    # member 1 was stopped between its commit of step 3 and writing the record
+    records = run(range(3)) + [rec(3.0, 3, 0, 3), rec(3.01, 3, 2, 3)] + [rec(8 + r * 0.01, 4, r, 2) for r in range(2)] + [rec(9.0, 3, 1, 3)]
+    traj = analysis.trajectory(records)
+    assert traj.redone == 0
+    assert sorted(r["rank"] for r in traj.by_step[3]) == [0, 1, 2]
+    assert 4 in traj.by_step
