@@ -19,6 +19,8 @@ import os
 import statistics
 from dataclasses import dataclass, field
 
+from benchmarks.compare.plan import share
+
 
 def read(directory: str) -> list[dict]:
     """Every record of every process under ``directory``, ordered by time; torn lines are skipped."""
@@ -70,17 +72,33 @@ def trajectory(records: list[dict]) -> Trajectory:
 
 
 def samples(traj: Trajectory, global_batch: int) -> dict:
-    """Samples the final model missed (lost) or saw more than once (repeated), by stream position."""
+    """Samples the final model missed (lost) or saw more than once (repeated), by stream position.
+
+    A member killed after its share went into a committed step but before it wrote its
+    record leaves fewer records than the step's member count. Where the shares follow from the
+    member count (``slots`` equal to ``world``), the missing members' shares are filled in and
+    counted as ``inferred``.
+    """
     seen: dict[int, int] = {}
-    for a, b in traj.positions():
-        for p in range(a, b):
-            seen[p] = seen.get(p, 0) + 1
+    inferred = 0
+    for s, records in traj.by_step.items():
+        ranges = [tuple(p) for r in records for p in r["pos"]]
+        world, slots = records[0]["world"], records[0].get("slots", records[0]["world"])
+        if len(records) < world and slots == world:
+            present = {r["rank"] for r in records}
+            for rank in set(range(world)) - present:
+                ranges.append(share(s, rank, world, global_batch))
+                inferred += 1
+        for a, b in ranges:
+            for p in range(a, b):
+                seen[p] = seen.get(p, 0) + 1
     expected = {p for s in traj.by_step for p in range(s * global_batch, (s + 1) * global_batch)}
     return {
         "steps": len(traj.by_step),
         "useful": len(expected & seen.keys()),
         "lost": len(expected - seen.keys()),
         "repeated": sum(c - 1 for c in seen.values()) + len(seen.keys() - expected),
+        "inferred": inferred,
     }
 
 
@@ -95,10 +113,18 @@ def step_seconds(records: list[dict], warmup: int = 50) -> float | None:
 
 
 def after_fault(records: list[dict], t_fault: float, victim: int, healthy: float) -> dict:
-    """Stall: fault to the first commit of a step beyond the last one committed before it, less a step."""
+    """Stall: fault to the survivors' first commit of a step the victim cannot be part of, less a step.
+
+    The victim may have sent its share of the step after its last record before it was
+    stopped or killed, so the survivors may still commit that one step without it; the step
+    after it needs a new group. A victim's record is written after its commit and before its
+    next allreduce, so that first step is two beyond its last record.
+    """
+    mine = [r["step"] for r in steps(records) if r["pid"] == victim and r["t"] < t_fault + 0.1]
     before = [r["step"] for r in steps(records) if r["t"] < t_fault]
     last = max(before) if before else -1
-    progress = [r for r in steps(records) if r["t"] >= t_fault and r["step"] > last and r["pid"] != victim]
+    first_without = (max(mine) if mine else last) + 2
+    progress = [r for r in steps(records) if r["t"] >= t_fault and r["step"] >= first_without and r["pid"] != victim]
     return {"last_step": last, "stall": (progress[0]["t"] - t_fault - healthy) if progress else None}
 
 

@@ -93,11 +93,14 @@ def stop(system: System, directory: str, healthy_step: float, cap: float, steps:
     run = _launch(system, directory, steps)
     try:
         victim, _ = _victim(run, at)
-        last = run.tail.top
         t = time.time()
         os.kill(victim, signal.SIGSTOP)
         try:
-            moved = _wait(run, lambda: any(r["step"] > last and r["pid"] != victim for r in run.tail.latest.values()), cap, "the survivors' next commit")
+            time.sleep(0.05)
+            run.tail.poll()
+            # the first step the victim cannot be part of (see analysis.after_fault)
+            first_without = run.tail.latest[victim]["step"] + 2
+            moved = _wait(run, lambda: any(r["step"] >= first_without and r["pid"] != victim for r in run.tail.latest.values()), cap, "the survivors' next commit")
         finally:
             os.kill(victim, signal.SIGCONT)
         _wait(run, run.done, 300, "the end of the run")

@@ -77,9 +77,9 @@ while True:
     optimizer.step()  # commits only if every participant agrees
     if manager.current_step() > before:
         if manager.is_participating():
-            log.step(before, args.replica, manager.num_participants(), [(a, b)])
+            log.step(before, args.replica, manager.num_participants(), [(a, b)], slots=args.replicas)
         else:  # a healing step: the state came from a peer, this replica's gradient was zeroed
-            log.step(manager.current_step() - 1, args.replica, manager.num_participants(), [])
+            log.step(manager.current_step() - 1, args.replica, manager.num_participants(), [], slots=args.replicas)
 log.write("done")
 sys.stdout.flush()
 manager.shutdown(wait=False)

@@ -8,7 +8,7 @@ so that samples lost or repeated can be counted the same way for every system.
 Each process appends JSON lines to ``<log dir>/w_<pid>.jsonl``:
 ``{"k": "start", "t", "pid"}`` when the script starts (before ``import torch``),
 ``{"k": "step", "t", "pid", "step", "rank", "world", "pos": [[a, b], ...]}`` after each step
-it committed (``t`` is when the optimizer step returned), ``{"k": "done", "t", "pid"}`` at the end.
+it committed (torchft adds ``"slots": 3``: its shares do not follow the member count) (``t`` is when the optimizer step returned), ``{"k": "done", "t", "pid"}`` at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 SCRIPT_START = time.time()
 
 import torch  # noqa: E402
+from plan import share  # noqa: E402,F401  (re-exported for the training scripts)
 
 SAMPLES = 9600
 FEATURES = 128
@@ -52,8 +53,10 @@ class StepLog:
         record = {"k": kind, "t": fields.pop("t", None) or time.time(), "pid": self.pid, **fields}
         os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
 
-    def step(self, step: int, rank: int, world: int, ranges: list[tuple[int, int]]) -> None:
-        self.write("step", step=step, rank=rank, world=world, pos=[list(r) for r in ranges])
+    def step(self, step: int, rank: int, world: int, ranges: list[tuple[int, int]], slots: int | None = None) -> None:
+        """A committed step; ``slots`` is the number of shares the batch is cut into if not ``world``."""
+        extra = {"slots": slots} if slots is not None else {}
+        self.write("step", step=step, rank=rank, world=world, pos=[list(r) for r in ranges], **extra)
 
 
 def setup(width: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module, torch.optim.Optimizer]:
@@ -66,13 +69,6 @@ def setup(width: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, width), torch.nn.ReLU(), torch.nn.Linear(width, CLASSES))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return x, y, model, optimizer
-
-
-def share(step: int, rank: int, world: int, global_batch: int) -> tuple[int, int]:
-    """Stream positions [a, b) of ``step`` for member ``rank`` of ``world``: contiguous shares."""
-    base, extra = divmod(global_batch, world)
-    start = step * global_batch + rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def batch(x: torch.Tensor, y: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ def run(steps, world=3, t0=0.0, dt=1.0, pids=None):
 
 def test_healthy_run_has_no_loss_no_repeat_no_redo():
     traj = analysis.trajectory(run(range(10)))
-    assert analysis.samples(traj, G) == {"steps": 10, "useful": 60, "lost": 0, "repeated": 0}
+    assert analysis.samples(traj, G) == {"steps": 10, "useful": 60, "lost": 0, "repeated": 0, "inferred": 0}
     assert traj.redone == 0
 
 
@@ -36,16 +36,16 @@ def test_rollback_replaces_the_rolled_back_steps_and_counts_them():
     records = run(range(13)) + run(range(10, 16), t0=100)
     traj = analysis.trajectory(records)
     assert traj.redone == 3
-    assert analysis.samples(traj, G) == {"steps": 16, "useful": 96, "lost": 0, "repeated": 0}
+    assert analysis.samples(traj, G) == {"steps": 16, "useful": 96, "lost": 0, "repeated": 0, "inferred": 0}
 
 
 def test_shrunk_global_batch_counts_lost_samples():
     # torchft-like: replica 2 is gone for steps 3 and 4, its share is never read
     records = run(range(3))
     for s in (3, 4):
-        records += [rec(10 + s, s, r, 2, pos=[[s * G + 2 * r, s * G + 2 * r + 2]]) for r in range(2)]
+        records += [{**rec(10 + s, s, r, 2, pos=[[s * G + 2 * r, s * G + 2 * r + 2]]), "slots": 3} for r in range(2)]
     traj = analysis.trajectory(records)
-    assert analysis.samples(traj, G) == {"steps": 5, "useful": 26, "lost": 4, "repeated": 0}
+    assert analysis.samples(traj, G) == {"steps": 5, "useful": 26, "lost": 4, "repeated": 0, "inferred": 0}
     assert traj.redone == 0
 
 
@@ -62,9 +62,11 @@ def test_a_step_redone_in_a_new_member_count_replaces_a_partial_commit():
     assert analysis.samples(traj, G)["lost"] == 0
 
 
-def test_stall_is_fault_to_new_progress_less_a_step():
-    records = run(range(5), dt=0.1) + run(range(5, 8), t0=3.0, dt=0.1)
-    got = analysis.after_fault(records, t_fault=0.45, victim=-1, healthy=0.1)
+def test_stall_is_fault_to_the_first_step_without_the_victim_less_a_step():
+    # the victim (pid 101) logged step 4; survivors may still commit 5 with its share, 6 needs a new group
+    records = run(range(6), dt=0.1) + run(range(6, 8), t0=3.0, dt=0.1)
+    records = [r for r in records if not (r["pid"] == 101 and r["step"] == 5)]
+    got = analysis.after_fault(records, t_fault=0.45, victim=101, healthy=0.1)
     assert got["last_step"] == 4
     assert got["stall"] == pytest.approx(3.0 - 0.45 - 0.1)
 
@@ -72,8 +74,15 @@ def test_stall_is_fault_to_new_progress_less_a_step():
 def test_stall_ignores_the_victims_own_commits_and_is_none_without_progress():
     records = run(range(3), dt=0.1, pids={1: 7})
     assert analysis.after_fault(records, 10.0, victim=7, healthy=0.1)["stall"] is None
-    late = records + [rec(11.0, 3, 1, 3, pid=7)]
+    late = records + [rec(11.0, 3, 1, 3, pid=7), rec(12.0, 4, 1, 3, pid=7)]
     assert analysis.after_fault(late, 10.0, victim=7, healthy=0.1)["stall"] is None
+
+
+def test_a_killed_members_missing_record_is_inferred_when_shares_follow_the_member_count():
+    records = run(range(3)) + [rec(3.0, 3, 0, 3), rec(3.01, 3, 2, 3)]
+    assert analysis.samples(analysis.trajectory(records), G) == {"steps": 4, "useful": 24, "lost": 0, "repeated": 0, "inferred": 1}
+    ft = [{**r, "slots": 4} for r in records]  # shares do not follow the member count: not inferred
+    assert analysis.samples(analysis.trajectory(ft), G)["lost"] == 2
 
 
 def test_rejoin_measures_new_processes_from_their_start():
