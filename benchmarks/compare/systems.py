@@ -11,6 +11,7 @@ import ctypes
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -118,7 +119,9 @@ class Run:
     tail: Tail = field(init=False)
 
     def __post_init__(self) -> None:
-        os.makedirs(self.log_dir, exist_ok=True)
+        if os.path.exists(self.directory):  # logs of an earlier run would mix with this one's
+            shutil.rmtree(self.directory)
+        os.makedirs(self.log_dir)
         self.tail = Tail(self.log_dir)
 
     @property
@@ -305,4 +308,15 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> bool
     return False
 
 
-SYSTEMS: dict[str, System] = {s.name: s for s in (Unbroken(), PlainDDP(), TorchrunElastic(), Torchft(), TorchftDDP())}
+class RayTrain(System):
+    """Ray Train 2.60: the driver owns a local 3-CPU cluster and shuts it down at the end."""
+
+    name, label, env = "ray", "Ray Train 2.60, checkpoint every 20", "ray"
+    governs_hang = "worker health-check timeout (600 s default)"
+
+    def launch(self, run: Run, steps: int) -> None:
+        cmd = [envs.python(self.env), self.script("train_ray.py"), "--step-log", run.log_dir, "--steps", str(steps), "--storage", os.path.join(run.directory, "storage")]
+        run.spawn("driver", cmd, {"RAY_DEDUP_LOGS": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (Unbroken(), PlainDDP(), TorchrunElastic(), Torchft(), TorchftDDP(), RayTrain())}

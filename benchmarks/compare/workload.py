@@ -43,11 +43,11 @@ def arguments(extra=None) -> argparse.Namespace:
 class StepLog:
     """Appends this process's records, one ``write`` per line (O_APPEND)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, start: float | None = None) -> None:
         os.makedirs(directory, exist_ok=True)
         self.pid = os.getpid()
         self._fd = os.open(os.path.join(directory, f"w_{self.pid}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.write("start", t=SCRIPT_START)
+        self.write("start", t=start or SCRIPT_START)
 
     def write(self, kind: str, **fields) -> None:
         record = {"k": kind, "t": fields.pop("t", None) or time.time(), "pid": self.pid, **fields}
