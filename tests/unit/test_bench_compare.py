@@ -116,3 +116,40 @@ def test_a_late_record_of_a_stopped_member_joins_its_own_execution():
     assert traj.redone == 0
     assert sorted(r["rank"] for r in traj.by_step[3]) == [0, 1, 2]
     assert 4 in traj.by_step
+
+
+def _result(runs):
+    from benchmarks.compare import report
+
+    result = {
+        "date": "2026-11-30",
+        "systems": ["a", "ddp"],
+        "labels": {"a": "A", "ddp": "plain DDP"},
+        "governs": {"a": "heartbeat", "ddp": "Gloo timeout"},
+        "settings": {"stop_cap": 30.0, "workers": 3, "repeats": 2},
+        "runs": runs,
+    }
+    result["summary"] = report.summary(runs, result["systems"])
+    return result
+
+
+def test_table_gives_median_range_counts_and_caps(tmp_path):
+    from benchmarks.compare import report
+
+    runs = [
+        {"system": "a", "scenario": "kill", "stall": 0.02, "finished": True},
+        {"system": "a", "scenario": "kill", "stall": 0.04, "finished": True},
+        {"system": "ddp", "scenario": "kill", "stall": None, "finished": False},
+        {"system": "a", "scenario": "stop", "stall": 4.9, "finished": True},
+        {"system": "ddp", "scenario": "stop", "stall": None, "finished": True},
+        {"system": "ddp", "scenario": "stop", "error": "ScenarioError: did not reach step 310"},
+    ]
+    table = report.markdown(_result(runs))
+    row = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+    assert "0.03 s (0.02–0.04)" in row["SIGKILL: stall"]
+    assert row["SIGKILL: run finished"].endswith("| 2/2 | 0/1 |")
+    assert "none within 30 s (1 of 1); 1 failed to run" in row["SIGSTOP: survivors commit again after"]
+    assert "chaos: goodput / healthy plain DDP" not in row  # no chaos runs: no row
+    report.write(_result(runs), str(tmp_path))
+    assert json.loads((tmp_path / "compare.json").read_text())["summary"]["a"]["kill.stall"]["n"] == 2
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
