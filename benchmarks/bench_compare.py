@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -47,6 +48,7 @@ def parse() -> argparse.Namespace:
     unknown = [s for s in args.systems if s not in systems.SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(systems.SYSTEMS)}")
+    args.out = os.path.abspath(args.out)
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     bad = [s for s in args.scenarios if s not in ("healthy", "kill", "stop", "chaos")]
     if bad:
@@ -59,6 +61,13 @@ def parse() -> argparse.Namespace:
 def main() -> int:
     args = parse()
     systems.become_subreaper()
+
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")  # unwinds through every run's stop()
+
+    # SIGINT too: a job started in the background of a shell inherits it ignored
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupted)
     versions = {}
     for env in sorted({systems.SYSTEMS[s].env for s in args.systems}):
         versions[env] = envs.ensure(env, log=lambda m: print(m, flush=True))

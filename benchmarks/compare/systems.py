@@ -119,6 +119,7 @@ class Run:
     tail: Tail = field(init=False)
 
     def __post_init__(self) -> None:
+        self.directory = os.path.abspath(self.directory)  # the processes run inside it
         if os.path.exists(self.directory):  # logs of an earlier run would mix with this one's
             shutil.rmtree(self.directory)
         os.makedirs(self.log_dir)
