@@ -108,9 +108,10 @@ def chart(result: dict, path: str) -> None:
                 ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.set_xticks(range(len(systems)))
-        ax.set_xticklabels([result["labels"][s].replace(" (", "\n(").replace(", ", ",\n") for s in systems], fontsize=7)
+        ax.set_xticklabels(systems, fontsize=8, rotation=20)
+    fig.text(0.5, 0.005, "; ".join(f"{s}: {result['labels'][s]}" for s in systems), ha="center", fontsize=7)
     fig.suptitle(f"unbroken vs others, {result['settings']['workers']} CPU workers (Gloo), median and range of {result['settings']['repeats']} runs, {result['date']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
@@ -124,3 +125,11 @@ def write(result: dict, directory: str) -> str:
         f.write(table)
     chart(result, os.path.join(directory, "compare.png"))
     return table
+
+
+if __name__ == "__main__":
+    import sys
+
+    # Rewrite the table and chart of a finished run: python -m benchmarks.compare.report DIR
+    with open(os.path.join(sys.argv[1], "compare.json")) as f:
+        print(write(json.load(f), sys.argv[1]))
