@@ -70,7 +70,10 @@ def ensure(name: str, log=print) -> str:
     spec = ENVS[name]
     path = os.path.join(root(), name)
     stamp_file = os.path.join(path, ".unbroken-bench-stamp")
-    fresh = not (os.path.exists(stamp_file) and open(stamp_file).read() == spec.stamp())
+    fresh = True
+    if os.path.exists(stamp_file):
+        with open(stamp_file) as f:
+            fresh = f.read() != spec.stamp()
     if name == "unbroken":
         fresh = True  # the checkout may have changed: reinstall our package (torch stays)
     if fresh:
@@ -90,7 +93,7 @@ def ensure(name: str, log=print) -> str:
 
 
 def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise EnvError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.stdout

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from benchmarks.compare import analysis
-from benchmarks.compare.systems import Run, System
+from benchmarks.compare.systems import WORKERS, Run, System
 
 GLOBAL_BATCH = 96
 HEALTHY_STEPS = 600
@@ -25,13 +25,15 @@ class ScenarioError(RuntimeError):
     """A run did not reach the state the scenario needs (the message says which)."""
 
 
-def _wait(run: Run, condition: Callable[[], bool], timeout: float, what: str) -> bool:
+def _wait(run: Run, condition: Callable[[], bool], timeout: float) -> bool:
+    """Follow the logs until ``condition`` holds (True), the run ended without it, or the timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        run.tail.poll()
+        ended = run.done()
+        run.tail.poll()  # after the check: the last records of an ended run are read too
         if condition():
             return True
-        if run.done() and not condition():
+        if ended:
             return False
         time.sleep(0.005)
     return False
@@ -39,7 +41,11 @@ def _wait(run: Run, condition: Callable[[], bool], timeout: float, what: str) ->
 
 def _launch(system: System, directory: str, steps: int) -> Run:
     run = Run(system, directory)
-    system.launch(run, steps)
+    try:
+        system.launch(run, steps)
+    except BaseException:
+        run.stop()
+        raise
     return run
 
 
@@ -50,7 +56,7 @@ def _common(run: Run, result: dict) -> dict:
     result.update(
         finished=run.finished(),
         redone=traj.redone,
-        restarts=max(0, starts - 3),
+        restarts=max(0, starts - WORKERS),
         **{f"samples_{k}": v for k, v in analysis.samples(traj, GLOBAL_BATCH).items()},
     )
     return result
@@ -59,7 +65,7 @@ def _common(run: Run, result: dict) -> dict:
 def healthy(system: System, directory: str, steps: int = HEALTHY_STEPS) -> dict:
     run = _launch(system, directory, steps)
     try:
-        _wait(run, run.done, 300, "the end of the run")
+        _wait(run, run.done, 300)
         records = analysis.read(run.log_dir)
         return _common(run, {"step_seconds": analysis.step_seconds(records, WARMUP)})
     finally:
@@ -67,7 +73,7 @@ def healthy(system: System, directory: str, steps: int = HEALTHY_STEPS) -> dict:
 
 
 def _victim(run: Run, at: int) -> tuple[int, set[int]]:
-    if not _wait(run, lambda: run.tail.top >= at and run.tail.member(1) is not None, 300, f"step {at}"):
+    if not _wait(run, lambda: run.tail.top >= at and run.tail.member(1) is not None, 300):
         raise ScenarioError(f"{run.system.name} did not reach step {at}; see {run.directory}")
     return run.tail.member(1), set(run.tail.latest)
 
@@ -79,7 +85,7 @@ def kill(system: System, directory: str, healthy_step: float, steps: int = FAULT
         victim, old = _victim(run, at)
         t = time.time()
         os.kill(victim, signal.SIGKILL)
-        _wait(run, run.done, 300, "the end of the run")
+        _wait(run, run.done, 300)
         records = analysis.read(run.log_dir)
         result = analysis.after_fault(records, t, victim, healthy_step)
         result["rejoin"] = analysis.rejoin(records, t, old)
@@ -100,10 +106,10 @@ def stop(system: System, directory: str, healthy_step: float, cap: float, steps:
             run.tail.poll()
             # the first step the victim cannot be part of (see analysis.after_fault)
             first_without = run.tail.latest[victim]["step"] + 2
-            moved = _wait(run, lambda: any(r["step"] >= first_without and r["pid"] != victim for r in run.tail.latest.values()), cap, "the survivors' next commit")
+            moved = _wait(run, lambda: any(r["step"] >= first_without and r["pid"] != victim for r in run.tail.latest.values()), cap)
         finally:
             os.kill(victim, signal.SIGCONT)
-        _wait(run, run.done, 300, "the end of the run")
+        _wait(run, run.done, 300)
         records = analysis.read(run.log_dir)
         result = analysis.after_fault(records, t, victim, healthy_step)
         result["cap"] = cap
@@ -121,7 +127,7 @@ def chaos(system: System, directory: str, seconds: float, every: float, seed: in
     kills: list[float] = []
     died = None
     try:
-        if not _wait(run, lambda: run.tail.top >= WARMUP, 300, "warm-up"):
+        if not _wait(run, lambda: run.tail.top >= WARMUP, 300):
             raise ScenarioError(f"{system.name} did not reach step {WARMUP}; see {directory}")
         t0 = time.time()
         next_kill = t0 + every * rng.uniform(0.75, 1.25)
