@@ -73,8 +73,9 @@ def markdown(result: dict) -> str:
         if all(result["summary"][s][full].get("n", 0) == 0 and not result["summary"][s][full].get("missing") for s in systems):
             continue
         lines.append(f"| {label} | " + " | ".join(_cell(result["summary"][s][full], unit, scale, full, cap) for s in systems) + " |")
-    governs = " | ".join(result["governs"][s] for s in systems)
-    lines.append(f"| SIGSTOP: what decides it | {governs} |")
+    if any(r["scenario"] == "stop" for r in result["runs"]):
+        governs = " | ".join(result["governs"][s] for s in systems)
+        lines.append(f"| SIGSTOP: what decides it | {governs} |")
     return "\n".join(lines) + "\n"
 
 

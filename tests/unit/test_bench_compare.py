@@ -150,6 +150,8 @@ def test_table_gives_median_range_counts_and_caps(tmp_path):
     assert row["SIGKILL: run finished"].endswith("| 2/2 | 0/1 |")
     assert "none within 30 s (1 of 1); 1 failed to run" in row["SIGSTOP: survivors commit again after"]
     assert "chaos: goodput / healthy plain DDP" not in row  # no chaos runs: no row
+    assert row["SIGSTOP: what decides it"].endswith("| heartbeat | Gloo timeout |")
+    assert "SIGSTOP: what decides it" not in report.markdown(_result(runs[:3]))
     report.write(_result(runs), str(tmp_path))
     assert json.loads((tmp_path / "compare.json").read_text())["summary"]["a"]["kill.stall"]["n"] == 2
     assert (tmp_path / "compare.png").stat().st_size > 10_000
