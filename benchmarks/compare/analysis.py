@@ -47,9 +47,6 @@ class Trajectory:
     by_step: dict[int, list[dict]] = field(default_factory=dict)
     redone: int = 0  # committed steps that were executed again after a rollback
 
-    def positions(self) -> list[tuple[int, int]]:
-        return [tuple(p) for s in sorted(self.by_step) for r in self.by_step[s] for p in r["pos"]]
-
 
 def trajectory(records: list[dict]) -> Trajectory:
     result = Trajectory()
