@@ -18,6 +18,12 @@ parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--global-batch-size", type=int, default=24)
 parser.add_argument("--micro-batch-size", type=int, default=4)
 parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step, standing in for compute")
+parser.add_argument("--micro-delay", type=float, default=0.0, help="sleep per micro-batch, standing in for a long forward/backward")
+parser.add_argument("--first-step-sleep", type=float, default=0.0, help="sleep this long in this process's first step (compilation)")
+parser.add_argument("--first-step-rank", type=int, default=None, help="only this local rank sleeps in its first step")
+parser.add_argument("--after-loop-sleep", type=float, default=0.0, help="the leader sleeps this long after the loop")
+parser.add_argument("--after-loop-file", default=None, help="then the leader writes this file (8 MB)")
+parser.add_argument("--resources", default=None, help="append this process's fd and thread counts per generation here")
 parser.add_argument("--out", default=None)
 parser.add_argument("--raise-at-step", type=int, default=None, help="raise an error at this step on every member")
 parser.add_argument("--bad-dataset", action="store_true", help="pass a dataset without __len__")
@@ -56,11 +62,28 @@ job = unbroken.Job(
     seed=7,
     scheduler=scheduler,
 )
+first_step = True
+
+
+def resources():
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+local_rank = int(os.environ.get("LOCAL_RANK", "0"))
 for step in job.steps(total=args.steps):
+    if args.resources:
+        with open(args.resources, "a") as f:
+            fds, threads = resources()
+            f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID")}", "generation": {step.generation}, "step": {step.index}, "fds": {fds}, "threads": {threads}}}\n')
+    if first_step and args.first_step_sleep and args.first_step_rank in (None, local_rank):
+        time.sleep(args.first_step_sleep)
+    first_step = False
     if args.raise_at_step is not None and step.index == args.raise_at_step:
         raise RuntimeError(f"deliberate failure at step {step.index}")
     for xb, yb in step.micro_batches():
         step.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        if args.micro_delay:
+            time.sleep(args.micro_delay)
     if not step.reduce():
         continue
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
@@ -69,6 +92,12 @@ for step in job.steps(total=args.steps):
     if args.step_delay:
         time.sleep(args.step_delay)
 
+if args.after_loop_file and job.is_leader:
+    time.sleep(args.after_loop_sleep)
+    with open(args.after_loop_file + ".tmp", "wb") as f:
+        for _ in range(8):
+            f.write(b"x" * (1 << 20))
+    os.rename(args.after_loop_file + ".tmp", args.after_loop_file)
 if args.out:
     os.makedirs(args.out, exist_ok=True)
     name = os.environ.get("UNBROKEN_MEMBER_ID", "single")
