@@ -10,7 +10,9 @@ Kinds: ``kill`` (SIGKILL this process), ``hang`` (SIGSTOP this process: heartbea
 (the training thread loops forever while the heartbeat thread keeps running, like a deadlock or a
 stuck device), ``slow`` (from the moment it fires, the thread sleeps at its point each time it
 reaches it: ``sleep=SECONDS`` each time, or ``by=FACTOR``, default 2, to take FACTOR times as long
-as the time since the previous visit; for ``for=SECONDS``, default the rest of the process's life).
+as the time since the previous visit; for ``for=SECONDS``, default the rest of the process's life),
+``fail`` (the member reports that a collective of its generation failed and abandons it, as after
+a broken connection, without any process dying: the generation re-forms with the same members).
 Points: ``step`` (start of a step), ``allreduce`` (every gradient bucket of the step was sent, none
 waited for yet), ``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing
 source, after the transfer began), ``save`` (the checkpoint writer, after the data was written and
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 from unbroken.errors import ConfigError
 
-KINDS = ("kill", "hang", "spin", "slow")
+KINDS = ("kill", "hang", "spin", "slow", "fail")
 POINTS = ("step", "allreduce", "commit", "heal", "save")
 ENV = "UNBROKEN_CHAOS"
 _INT_KEYS = ("rank", "step", "restart", "seed")
@@ -212,6 +214,10 @@ class Chaos:
                 with self._lock:
                     self._slow.append((fault, now + fault.duration if fault.duration is not None else math.inf))
                 continue
+            if fault.kind == "fail":
+                from unbroken.errors import GenerationFailed
+
+                raise GenerationFailed(f"chaos: injected collective failure at {name} of step {step}")
             if fault.kind == "hang" and fault.duration is not None:
                 self._helpers.append(wake_later(os.getpid(), fault.duration))
             os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)

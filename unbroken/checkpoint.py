@@ -180,17 +180,31 @@ class CheckpointStore:
     # -- reading -------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Steps of the checkpoints that have a manifest, newest first (not yet verified)."""
+        """Steps of the checkpoints that have a manifest, newest (most recently written) first;
+        not yet verified. A checkpoint directory may hold an earlier run's checkpoints of higher
+        steps than the current run's newest: the write time, not the step, says which is newest."""
+        found = self._published()
+        return [step for step, _ in sorted(found.items(), key=lambda item: (item[1], item[0]), reverse=True)]
+
+    def _written_at(self, base: str) -> float:
+        try:
+            with self.fs.open(self._path(base, MANIFEST), "rb") as f:
+                return float(json.loads(f.read()).get("time", 0.0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return 0.0
+
+    def _published(self) -> dict[int, float]:
+        """{step: write time} of the checkpoints that have a manifest."""
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
-            return []
+            return {}
         found = []
         for entry in entries:
             base = entry.rstrip("/").rsplit("/", 1)[-1]
             if base.startswith("step-") and base[5:].isdigit() and self.fs.exists(self._path(base, MANIFEST)):
                 found.append(int(base[5:]))
-        return sorted(found, reverse=True)
+        return {step: self._written_at(self.name(step)) for step in found}
 
     def read(self, step: int) -> tuple[dict[str, Any], bytes]:
         """Manifest and verified state bytes of checkpoint ``step``; raises CheckpointCorrupt."""
@@ -229,23 +243,28 @@ class CheckpointStore:
             return state, manifest, f"{self.url}/{self.name(step)}"
         return None
 
-    def retain(self, keep: int) -> list[str]:
-        """Delete all but the newest ``keep`` published checkpoints, and unpublished leftovers
-        older than the newest published one. Returns what was deleted."""
+    def retain(self, keep: int, just_written: int | None = None) -> list[str]:
+        """Delete all but the newest ``keep`` published checkpoints (newest by write time; the
+        one ``just_written`` is always kept), and unpublished leftovers of steps below it (or
+        below the newest, if None). Returns what was deleted."""
         published = self.steps()
         if not published:
             return []
-        doomed = [self.name(s) for s in published[keep:]]
+        kept = published[:keep]
+        if just_written is not None and just_written in published and just_written not in kept:
+            kept = [just_written, *published[: keep - 1]]
+        doomed = [self.name(s) for s in published if s not in kept]
+        newest = just_written if just_written is not None else published[0]
         try:
             entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return []
         for base in entries:
-            if base.startswith("step-") and base[5:].isdigit() and int(base[5:]) not in published and int(base[5:]) < published[0]:
+            if base.startswith("step-") and base[5:].isdigit() and int(base[5:]) not in published and int(base[5:]) < newest:
                 doomed.append(base)
             elif base.startswith(".step-") and ".tmp-" in base:
                 step = base[6:].split(".tmp-")[0]
-                if step.isdigit() and int(step) < published[0]:
+                if step.isdigit() and int(step) < newest:
                     doomed.append(base)
         for base in doomed:
             try:
@@ -271,7 +290,8 @@ def _fsync_dir(path: str) -> None:
 
 
 class Saver:
-    """Saves in the background; one save in flight. ``save`` returns after the memory copy."""
+    """Saves in the background; one save in flight. ``save`` returns after the memory copy, and
+    never waits for a previous write: while one runs, a new save is refused (None)."""
 
     def __init__(self, store: CheckpointStore, keep: int, on_done: Callable[[dict[str, Any]], None], fault: Callable[[int], None] = lambda step: None) -> None:
         self.store = store
@@ -279,15 +299,20 @@ class Saver:
         self.on_done = on_done
         self.fault = fault
         self._thread: threading.Thread | None = None
+        self.writing: int | None = None
+        """The step whose write is in flight (None when idle)."""
         self.last_stall = 0.0
         self.error: BaseException | None = None
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> float:
-        """Copy ``state`` to memory and start writing it; returns the stall in seconds."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> float | None:
+        """Copy ``state`` to memory and start writing it; returns the stall in seconds, or None
+        (nothing done) if the previous write is still running."""
+        if self.busy():
+            return None
         started = time.perf_counter()
-        self.wait()
         copy = snapshot(state)
         self.last_stall = time.perf_counter() - started
+        self.writing = step
         self._thread = threading.Thread(target=self._persist, args=(step, copy, meta, self.last_stall), name="unbroken-checkpoint", daemon=True)
         self._thread.start()
         return self.last_stall
@@ -299,7 +324,7 @@ class Saver:
             torch.save(copy, buffer)
             del copy
             location = self.store.write(step, buffer.getbuffer(), meta, before_manifest=lambda: self.fault(step))
-            deleted = self.store.retain(self.keep)
+            deleted = self.store.retain(self.keep, just_written=step)
             self.on_done(
                 {"step": step, "location": location, "bytes": buffer.getbuffer().nbytes, "stall": stall,
                  "write_seconds": time.perf_counter() - started, "deleted": deleted}
@@ -312,6 +337,8 @@ class Saver:
     def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.writing = None
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -101,6 +101,12 @@ class Heartbeat:
         self.on_change = on_change
         self.step = 0
         self.blocked_on: str | None = None
+        self.busy: str | None = None
+        """Deliberate work without step progress (a final checkpoint write): never taken for stuck."""
+        self.warm = False
+        """True once this process has committed a step (its first step is judged more leniently)."""
+        self.progress: Callable[[], int] = lambda: 0
+        """Reads the member's progress counter; sent with every heartbeat."""
         self.view: dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
@@ -123,6 +129,9 @@ class Heartbeat:
                     member=self.member,
                     step=self.step,
                     blocked_on=self.blocked_on,
+                    progress=self.progress(),
+                    busy=self.busy,
+                    warm=self.warm,
                     seen=self.view,
                     hold=self.interval,
                 )

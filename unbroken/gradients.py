@@ -72,6 +72,8 @@ class GradientReducer:
         self._armed = False
         self._next = 0
         self.error: Exception | None = None
+        self.ticks = 0
+        """Gradients that became final, ever: progress the coordinator's watchdog sees."""
         self._build(bucket_cap_bytes, first_bucket_cap_bytes)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
@@ -127,6 +129,7 @@ class GradientReducer:
                 control[base + 1] = 0.0
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        self.ticks += 1
         if not self._armed:
             return
         bucket = self._bucket_of[id(p)]
@@ -143,7 +146,7 @@ class GradientReducer:
                 continue
             bucket.pack()
             try:
-                bucket.work = self._group.pg.allreduce([bucket.flat])  # type: ignore[union-attr]
+                bucket.work = self._group.start_allreduce(bucket.flat)
                 bucket.launched = True
             except Exception as exc:  # the group is broken: finish() reports it
                 self.error = exc

@@ -4,7 +4,12 @@ A Gloo collective that waits on a dead or stopped peer blocks until the group's 
 wait here is instead done in slices: it ends as soon as the work completes, the coordinator says
 the generation is over (a verdict reached through the heartbeat thread), or the collective
 timeout passes, whichever comes first. An abandoned group is never destroyed while work may be
-pending on it (destroying it would block); it is parked until the process ends.
+pending on it (destroying it would block): it is parked in the :class:`Graveyard`, which releases
+it (its sockets and threads) once its pending work has completed or can no longer be running.
+
+Waits that must tolerate a peer's long deliberate work (a final checkpoint write, reading a
+checkpoint to resume from) use flags in the generation's store instead of a collective: such a
+wait ends when the flag is set or the generation is abandoned, never by a collective timeout.
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ class GenerationGroup:
         self.timeout = timeout
         self._blocked = blocked
         self._waits = 0
+        self.store: Any = None
+        self.works: list[Any] = []
+        """Collectives issued on this group that may still be pending (completed ones are pruned)."""
 
     # -- construction --------------------------------------------------------------------------
 
@@ -83,6 +91,7 @@ class GenerationGroup:
         if isinstance(result[0], BaseException):
             raise GenerationFailed(f"generation {self.number}: connect failed: {result[0]}")
         self.pg = result[0]
+        self.store = dist.PrefixStore(prefix, store)
 
     # -- waits ---------------------------------------------------------------------------------
 
@@ -96,8 +105,8 @@ class GenerationGroup:
         finally:
             self._blocked(None)
 
-    def _watch_loop(self, done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout
+    def _watch_loop(self, done: Callable[[], bool], what: str, bounded: bool = True, poll: float = 1.0) -> None:
+        deadline = time.monotonic() + self.timeout if bounded else float("inf")
         while True:
             if done():
                 return
@@ -107,8 +116,47 @@ class GenerationGroup:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GenerationFailed(f"generation {self.number}: {what} timed out after {self.timeout:.1f} s")
-            self._wake.wait(min(remaining, 1.0))
+            self._wake.wait(min(remaining, poll))
             self._wake.clear()
+
+    # -- flags: waits that tolerate a peer's long deliberate work --------------------------------
+
+    def set_flag(self, name: str) -> None:
+        """Set a flag in this generation's store (seen by :meth:`wait_flag` on every member)."""
+        try:
+            self.store.set(f"flag/{name}", b"1")
+        except Exception as exc:  # the store's errors are bare RuntimeErrors
+            raise GenerationFailed(f"generation {self.number}: cannot set {name}: {exc}") from None
+
+    def wait_flag(self, name: str, what: str) -> None:
+        """Wait until a peer sets flag ``name``, or the generation is abandoned (no timeout: the
+        peer's liveness is the coordinator's to judge, from its heartbeats)."""
+        key = f"flag/{name}"
+
+        def done() -> bool:
+            try:
+                return bool(self.store.check([key]))
+            except Exception as exc:
+                raise GenerationFailed(f"generation {self.number}: {what}: store unreachable: {exc}") from None
+
+        if done():
+            return
+        self._waits += 1
+        self._blocked(f"g{self.number}:{self._waits}:{what}")
+        try:
+            self._watch_loop(done, what, bounded=False, poll=0.1)
+        finally:
+            self._blocked(None)
+
+    def _issued(self, work: Any) -> Any:
+        self.works = [w for w in self.works if not _completed(w)]
+        self.works.append(work)
+        return work
+
+    def idle(self) -> bool:
+        """True when no collective issued on this group can still be pending."""
+        self.works = [w for w in self.works if not _completed(w)]
+        return not self.works
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for a collective's work; raises :class:`GenerationFailed` if it fails or is abandoned."""
@@ -145,9 +193,13 @@ class GenerationGroup:
 
     # -- collectives ---------------------------------------------------------------------------
 
+    def start_allreduce(self, tensor: torch.Tensor) -> Any:
+        """Issue a sum allreduce without waiting; the caller waits with :meth:`wait`."""
+        return self._issued(self.pg.allreduce([tensor]))
+
     def allreduce(self, tensor: torch.Tensor, what: str) -> None:
         try:
-            work = self.pg.allreduce([tensor])
+            work = self.start_allreduce(tensor)
         except Exception as exc:
             raise GenerationFailed(f"generation {self.number}: {what} failed to start: {exc}") from None
         self.wait(work, what)
@@ -161,14 +213,75 @@ class GenerationGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
         try:
-            work = self.pg.send([tensor], dst, tag)
+            work = self._issued(self.pg.send([tensor], dst, tag))
         except Exception as exc:
             raise GenerationFailed(f"generation {self.number}: {what} failed to start: {exc}") from None
         self.wait(work, what)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
         try:
-            work = self.pg.recv([tensor], src, tag)
+            work = self._issued(self.pg.recv([tensor], src, tag))
         except Exception as exc:
             raise GenerationFailed(f"generation {self.number}: {what} failed to start: {exc}") from None
         self.wait(work, what)
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # a work whose group failed reports completion by raising
+        return True
+
+
+class Graveyard:
+    """Abandoned generations' groups, released once nothing can be pending on them.
+
+    A group is released (its Python reference dropped, so that its sockets and threads go) when
+    every collective issued on it has completed, or when enough time has passed that none can
+    still be running: Gloo fails each pending collective after the group's timeout, and a
+    group's collectives run one after another on its worker threads. Releasing happens on a
+    reaper thread of its own, so that a destructor that has to wait never holds up training.
+    """
+
+    def __init__(self, poll: float = 0.25) -> None:
+        self.poll = poll
+        self._parked: list[tuple[GenerationGroup, float]] = []
+        self._lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+        self.released = 0
+
+    def park(self, group: GenerationGroup) -> None:
+        if group.pg is None:
+            return
+        pending = max(1, len(group.works))
+        with self._lock:
+            self._parked.append((group, time.monotonic() + group.timeout * pending + 1.0))
+            if self._reaper is None or not self._reaper.is_alive():
+                self._reaper = threading.Thread(target=self._reap, name="unbroken-graveyard", daemon=True)
+                self._reaper.start()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._parked)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def _reap(self) -> None:
+        while True:
+            with self._lock:
+                if not self._parked:
+                    self._reaper = None
+                    return
+                parked = list(self._parked)
+            now = time.monotonic()
+            done = [(g, d) for g, d in parked if now >= d or g.idle()]
+            for group, _ in done:
+                group.works = []
+                group.pg = None  # the last reference: the group is destroyed here
+                group.store = None
+            if done:
+                with self._lock:
+                    self._parked = [p for p in self._parked if p not in done]
+                    self.released += len(done)
+            time.sleep(self.poll)

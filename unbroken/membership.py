@@ -57,6 +57,17 @@ class Member:
     """Since when (coordinator clock) it has waited in that same collective."""
     fenced: bool = False
     """Declared dead for making no progress: it must end itself so that its launcher restarts it."""
+    progress: int | None = None
+    """The member's progress counter (micro-batches, gradient hooks, collectives entered, state
+    sent), as last reported; it only ever moves while the member works."""
+    progress_at: float = 0.0
+    """When (coordinator clock) the counter last moved, or the member last became active."""
+    busy: str | None = None
+    """Work the member reported doing on purpose that makes no step progress (a final checkpoint
+    write, reading a checkpoint): never taken for stuck while it lasts."""
+    warm: bool = True
+    """False until the member has committed a step in its process: its first step may include
+    compilation and lazy imports, judged against ``warmup_timeout`` instead."""
     death_reason: str | None = None
 
 
@@ -90,8 +101,12 @@ class MembershipSettings:
     """Seconds live members may stay below ``min_members`` (after the first generation, or after
     ``start_grace`` before it) before the job is failed."""
     progress_timeout: float = 20.0
-    """A member that makes no progress for this long while a peer waits for it inside a collective,
-    or that does not come to join this long after its generation broke, is declared dead."""
+    """A member whose progress (micro-batches, gradient hooks, collectives entered) has not moved
+    for this long, while a peer waits for it inside a collective or after its generation broke,
+    is declared dead. A long step that keeps moving is never stuck, however long it lasts."""
+    warmup_timeout: float = 600.0
+    """The same limit for a member that has not yet committed a step in its process (its first
+    step compiles, imports and allocates)."""
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout > 0:
@@ -102,6 +117,8 @@ class MembershipSettings:
             raise ValueError(f"max_members ({self.max_members}) is below min_members ({self.min_members})")
         if self.progress_timeout <= 0 or self.quorum_timeout <= 0:
             raise ValueError("progress_timeout and quorum_timeout must be positive")
+        if self.warmup_timeout < self.progress_timeout:
+            raise ValueError(f"warmup_timeout ({self.warmup_timeout}) must be at least progress_timeout ({self.progress_timeout})")
 
 
 @dataclass(frozen=True)
@@ -167,13 +184,16 @@ class Membership:
 
     # -- member requests ---------------------------------------------------------------------
 
-    def join(self, member_id: str, node: str, pid: int | None, step: int, now: float) -> bool:
+    def join(self, member_id: str, node: str, pid: int | None, step: int, now: float, warm: bool = True) -> bool:
         if self.first_wait is None:
             self.first_wait = now
         member = self.members.get(member_id)
         if member is None:
-            self.members[member_id] = Member(member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step, waiting_since=now)
+            self.members[member_id] = Member(
+                member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step, waiting_since=now, warm=warm
+            )
             return True
+        member.warm = warm
         if member.state is MemberState.WAITING:
             member.last_heartbeat = now
             return False
@@ -185,7 +205,16 @@ class Membership:
         member.death_reason = None
         return True
 
-    def heartbeat(self, member_id: str, step: int | None, now: float, blocked_on: str | None = None) -> Member | None:
+    def heartbeat(
+        self,
+        member_id: str,
+        step: int | None,
+        now: float,
+        blocked_on: str | None = None,
+        progress: int | None = None,
+        busy: str | None = None,
+        warm: bool | None = None,
+    ) -> Member | None:
         member = self.members.get(member_id)
         if member is None:
             return None
@@ -196,6 +225,12 @@ class Membership:
             if blocked_on != member.blocked_on:
                 member.blocked_on = blocked_on
                 member.blocked_since = now if blocked_on else None
+            if progress is not None and progress != member.progress:
+                member.progress = progress
+                member.progress_at = now
+            member.busy = busy
+            if warm is not None:
+                member.warm = warm
         return member
 
     def report_failure(self, member_id: str, generation: int, now: float) -> bool:
@@ -249,10 +284,10 @@ class Membership:
     def expire(self, now: float) -> list[str]:
         """Declare dead every live member that is silent or makes no progress; check the quorum.
 
-        Silent: no heartbeat for ``heartbeat_timeout``. No progress: a peer of the current
-        generation has waited inside a collective for ``progress_timeout`` while this member was
-        not waiting in one, or the generation broke ``progress_timeout`` ago and this member has
-        still not come to join.
+        Silent: no heartbeat for ``heartbeat_timeout``. No progress: its progress counter has not
+        moved for ``progress_timeout`` (``warmup_timeout`` before its first commit) while a peer of
+        the current generation waited for it inside a collective (and it was not in one itself),
+        or since its generation broke and it has still not come to join.
         """
         dead = []
         for member in self.members.values():
@@ -265,29 +300,45 @@ class Membership:
         self._check_quorum(now)
         return dead
 
+    def _stuck_for(self, member: Member, since: float, now: float) -> float | None:
+        """Seconds that ``member`` has made no progress since ``since``, if that is beyond its
+        limit; None if it is within its limit or busy on purpose."""
+        if member.busy:
+            return None
+        limit = self.settings.progress_timeout if member.warm else self.settings.warmup_timeout
+        idle = now - max(member.progress_at, since)
+        return idle if idle > limit else None
+
     def _expire_stragglers(self, now: float) -> list[str]:
+        """Fence the active members of the current generation that make no progress while others
+        wait for them: inside a collective, to join the next generation, or after it broke.
+
+        Progress, not silence, decides: a member whose counter moved within its limit is busy in
+        a long step, never stuck, whatever the state of its generation."""
         if self.current is None:
             return []
         limit = self.settings.progress_timeout
         active = [self.members[m] for m in self.current.members if self.members[m].state is MemberState.ACTIVE]
-        reason = None
         if self.generation_state is GenerationState.BROKEN:
-            if self.broken_at is not None and now - self.broken_at > limit:
-                reason = f"did not come to join {now - self.broken_at:.1f} s after its generation broke"
-            stragglers = active
+            since = self.broken_at if self.broken_at is not None else now
+            candidates = active
+            why = "made no progress for {idle:.1f} s after its generation broke"
         else:
             members = [self.members[m] for m in self.current.members]
             waited = [now - m.blocked_since for m in active if m.blocked_since is not None]
             # Members that left this generation to join the next wait for the rest just the same.
             waited += [now - m.waiting_since for m in members if m.state is MemberState.WAITING and m.waiting_since is not None]
-            if waited and max(waited) > limit:
-                reason = f"no progress while a peer waited {max(waited):.1f} s for it in a collective"
-            stragglers = [m for m in active if m.blocked_since is None]
-        if reason is None:
-            return []
+            if not waited or max(waited) <= limit:
+                return []
+            since = self.current.formed_at
+            candidates = [m for m in active if m.blocked_since is None]
+            why = "made no progress for {idle:.1f} s while a peer waited for it"
         dead = []
-        for member in stragglers:
-            self.mark_dead(member.id, reason, now)
+        for member in candidates:
+            idle = self._stuck_for(member, since, now)
+            if idle is None:
+                continue
+            self.mark_dead(member.id, why.format(idle=idle), now)
             member.fenced = True
             dead.append(member.id)
         return dead
@@ -323,6 +374,7 @@ class Membership:
             member.state = MemberState.ACTIVE
             member.waiting_since = None
             member.blocked_on = member.blocked_since = None
+            member.progress_at = now
         self.current = generation
         self.generation_state = GenerationState.ACTIVE
         self.broken_at = None

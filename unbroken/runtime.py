@@ -159,9 +159,19 @@ class Step:
         return len(self.positions)
 
     def micro_batches(self) -> Iterator[Any]:
-        """This member's share of the step's global batch, in micro-batches."""
+        """This member's share of the step's global batch, in micro-batches.
+
+        Stops early when the generation broke meanwhile (a peer failed): :meth:`reduce` then
+        returns False at once, so a long step is left within one micro-batch, not at its end."""
+        job = self.job
         for positions in self._micro:
-            yield self.job._batch(positions)
+            if job._reducer is not None and not self._stale:
+                self._stale = job._abandon_reason(self.generation)
+            if self._stale:
+                return
+            batch = job._batch(positions)
+            job._ticks += 1
+            yield batch
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate a micro-batch's mean loss, weighted by its share of the global batch."""
@@ -169,6 +179,7 @@ class Step:
             raise RuntimeError(f"step {self.index}: backward called more times than there are micro-batches ({len(self._micro)})")
         weight = len(self._micro[self._backwards]) / self.job.plan.global_batch_size
         self._backwards += 1
+        self.job._ticks += 1
         weighted = loss * weight
         detached = weighted.detach()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
@@ -183,7 +194,7 @@ class Step:
         self._armed = True
         # A member that was stopped while its generation moved on must not send anything into
         # that generation (its peers' abandoned collectives would complete with it).
-        self._stale = job._abandon_reason(self.generation)
+        self._stale = self._stale or job._abandon_reason(self.generation)
         if self._stale:
             return
         job._record_attempt(self)
@@ -232,7 +243,12 @@ class Step:
             return False
         job = self.job
         if job._reducer is not None:
-            job._chaos.point("commit", self.index)
+            try:
+                job._chaos.point("commit", self.index)
+            except GenerationFailed as exc:
+                self.failed, self.error = True, exc
+                self._discard()
+                return False
             reason = job._abandon_reason(self.generation, for_commit=True)
             if reason:
                 self.failed, self.error = True, GenerationFailed(f"step {self.index} not committed: {reason}")
@@ -305,7 +321,11 @@ class Job:
         self.replica_hash: str | None = None
         self.total: int | None = None
         self._group: Any = None
-        self._graveyard: list[Any] = []
+        from unbroken.group import Graveyard
+
+        self._graveyard = Graveyard()
+        self._ticks = 0  # progress: micro-batches, backwards, collectives entered (see _progress)
+        self._generation_floor = 0  # the generation of a checkpoint resumed from
         self._wake = threading.Event()
         self._client: Any = None
         self._heartbeat: Any = None
@@ -359,7 +379,8 @@ class Job:
             return
         finished = False
         self._start()
-        self._open_checkpoints(resume=self.fresh and not self._live_state_elsewhere())
+        # Whether to resume from a checkpoint is decided when a generation forms (see _heal).
+        self._open_checkpoints(resume=False)
         try:
             while True:
                 if self._group is None:
@@ -368,8 +389,7 @@ class Job:
                         break
                     continue
                 if self.next_step >= total:
-                    self._final_checkpoint()
-                    if self._verify_replicas():
+                    if self._verify_replicas() and self._final_checkpoint_together():
                         finished = True
                         break
                     continue
@@ -377,7 +397,11 @@ class Job:
                 if reason:
                     self._abandon(reason)
                     continue
-                self._chaos.point("step", self.next_step)
+                try:
+                    self._chaos.point("step", self.next_step)
+                except GenerationFailed as exc:
+                    self._abandon(str(exc))
+                    continue
                 step = Step(self, self.next_step)
                 yield step
                 if not step.committed and not step.failed:
@@ -418,7 +442,9 @@ class Job:
 
         assert self.settings.coordinator is not None
         self._client = CoordinatorClient(self.settings.coordinator, self.settings.coordinator_timeout)
-        self._heartbeat = Heartbeat(self._client, self.member_id, self.settings.heartbeat_interval, self._on_view).start()
+        self._heartbeat = Heartbeat(self._client, self.member_id, self.settings.heartbeat_interval, self._on_view)
+        self._heartbeat.progress = self._progress
+        self._heartbeat.start()
         if self.settings.record_samples and self.run_dir:
             path = os.path.join(self.run_dir, "samples", f"{self.member_id}.jsonl")
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -433,6 +459,17 @@ class Job:
             print(f"unbroken: {self.member_id}: {view.get('reason')}; ending this process", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         self._wake.set()
+
+    def _progress(self) -> int:
+        """A counter that moves whenever this member works on a step: micro-batches, backwards,
+        gradients that became final, collectives entered, state sent. Read by the heartbeat
+        thread; the coordinator's watchdog fences only a member whose counter stopped."""
+        return self._ticks + (self._reducer.ticks if self._reducer is not None else 0)
+
+    def _busy(self, what: str | None) -> None:
+        """Mark deliberate work that makes no step progress (never taken for stuck)."""
+        if self._heartbeat is not None:
+            self._heartbeat.busy = what
 
     def _reconfigure_wanted(self) -> bool:
         view = self._heartbeat.view if self._heartbeat else {}
@@ -464,7 +501,8 @@ class Job:
                 node=self.settings.node,
                 pid=os.getpid(),
                 step=self.next_step,
-                after=self.generation,
+                after=max(self.generation, self._generation_floor),
+                warm=bool(self._heartbeat.warm),
             )
             if reply["status"] == "finished":
                 if self.fresh or self.total is None or self.next_step < self.total:
@@ -478,6 +516,10 @@ class Job:
                 return False
             if reply["status"] == "failed":
                 raise UnbrokenError(f"the job cannot go on: {reply.get('reason')}")
+            if reply["status"] == "refused":
+                print(f"unbroken: {self.member_id}: the coordinator refuses this member: {reply.get('reason')}", file=sys.stderr, flush=True)
+                self._stop(finished=False)
+                raise SystemExit(1)
             if reply["status"] != "formed":
                 if time.monotonic() > deadline:
                     raise UnbrokenError(
@@ -503,7 +545,7 @@ class Job:
             except GenerationFailed as exc:
                 self._store = None  # a broken store connection must not break every later generation
                 self._report_failure(number, str(exc))
-                self._graveyard.append(group)
+                self._graveyard.park(group)
                 continue
             self._group = group
             self.member_index, self.member_count = group.rank, group.size
@@ -531,6 +573,8 @@ class Job:
                     offset += b.numel()
 
     def _blocked(self, what: str | None) -> None:
+        if what is not None:
+            self._ticks += 1  # entering a collective is progress
         if self._heartbeat is not None:
             self._heartbeat.blocked_on = what
 
@@ -546,18 +590,36 @@ class Job:
                 raise GenerationFailed(f"cannot reach the process-group store at {host}:{port}: {exc}") from None
         return self._store
 
-    def _heal(self, group: Any) -> None:
+    def _exchange_status(self, group: Any) -> list[tuple[int, bool, int]]:
         row = torch.tensor([self.next_step, int(self.fresh), self._digest], dtype=torch.int64)
         table = group.allgather_rows(row, "state exchange")
-        statuses = [(int(step), bool(fresh), int(digest)) for step, fresh, digest in table.tolist()]
+        return [(int(step), bool(fresh), int(digest)) for step, fresh, digest in table.tolist()]
+
+    def _heal(self, group: Any) -> None:
+        statuses = self._exchange_status(group)
+        if self._checkpoints is not None and all(fresh for _, fresh, _ in statuses):
+            # Nobody in this generation holds live state (the start of a job, or every holder
+            # died): its rank 0 reads the newest checkpoint and heals the others from it. The
+            # others wait on a store flag, which no collective timeout cuts short.
+            if group.rank == 0:
+                self._busy("reading a checkpoint")
+                try:
+                    self._resume_from_checkpoint()
+                finally:
+                    self._busy(None)
+                group.set_flag("resume-read")
+            else:
+                group.wait_flag("resume-read", "waiting for a checkpoint to be read")
+            statuses = self._exchange_status(group)
         plan = healing.plan(statuses)
         if not plan.receivers:
             return
         started = time.monotonic()
         if group.rank == plan.source:
-            payload = healing.serialize(self._state())
+            state = self._state()
+            sent = 0
             for receiver in plan.receivers:
-                healing.send_state(group, payload, receiver, lambda: self._chaos.point("heal", self.next_step))
+                sent += healing.send_state(group, state, receiver, lambda: self._chaos.point("heal", self.next_step), self._tick)
             self.fresh = False
             self._events.emit(
                 "heal",
@@ -565,14 +627,17 @@ class Job:
                 sender=self.member_id,
                 receivers=[group.members[r] for r in plan.receivers],
                 step=plan.step,
-                bytes=payload.numel(),
+                bytes=sent,
                 seconds=time.monotonic() - started,
             )
         elif group.rank in plan.receivers:
-            payload = healing.recv_state(group, plan.source)
-            self._load(healing.deserialize(payload))
+            state, received = healing.recv_state(group, plan.source, self._tick)
+            self._load(state)
             self.fresh = False
-            log.info("%s: healed to step %d from %s (%d bytes)", self.member_id, self.next_step, group.members[plan.source], payload.numel())
+            log.info("%s: healed to step %d from %s (%d bytes)", self.member_id, self.next_step, group.members[plan.source], received)
+
+    def _tick(self) -> None:
+        self._ticks += 1
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -610,6 +675,7 @@ class Job:
         self.fresh = False
         if self._heartbeat is not None:
             self._heartbeat.step = self.next_step
+            self._heartbeat.warm = True
         if self._events.enabled and self.member_index == 0:
             self._events.emit(
                 "step",
@@ -642,8 +708,11 @@ class Job:
         self._saver = Saver(self._checkpoints, self.checkpoint.keep, self._checkpoint_done, lambda s: self._chaos.point("save", s))
         if self.checkpoint.every is not None:
             self._schedule = Schedule(self.checkpoint.every, self.checkpoint.mtbf, time.monotonic())
-        if not resume:
-            return
+        if resume:
+            self._resume_from_checkpoint()
+
+    def _resume_from_checkpoint(self) -> None:
+        """Load the newest checkpoint that verifies, if there is one."""
         found = self._checkpoints.load_latest()
         if found is None:
             if self._checkpoints.steps() or _has_entries(self._checkpoints):
@@ -652,16 +721,11 @@ class Job:
         state, manifest, location = found
         self._load(state)
         self.fresh = False
-        self.generation = max(self.generation, int(manifest.get("generation", 0)))
+        # New generations are numbered above the one that wrote it (it may come from an earlier
+        # coordinator), so that lineages never reuse a number.
+        self._generation_floor = max(self._generation_floor, int(manifest.get("generation", 0)))
         print(f"unbroken: resumed from step {self.next_step} of {location}", flush=True)
         self._events.emit("resume", step=self.next_step, location=location)
-
-    def _live_state_elsewhere(self) -> bool:
-        """True when a live generation exists to heal from (so a fresh member need not read a
-        checkpoint); False at the start of a job and after every member died. At a start every
-        member joins before the first generation forms, so every member reads the checkpoint."""
-        status = self._client.status()
-        return any(m["state"] == "active" and m["member"] != self.member_id for m in status.get("members", []))
 
     def _maybe_checkpoint(self) -> None:
         if self._schedule is None or self.member_index != 0:
@@ -692,28 +756,60 @@ class Job:
         self._step_ema = seconds if self._step_ema is None else 0.9 * self._step_ema + 0.1 * seconds
 
     def _save(self) -> None:
+        """Snapshot the state and write it in the background; skipped (never waited for) while
+        the previous write is still running, so that a slow store never holds up a collective."""
         meta = {"generation": self.generation, "members": list(self._group.members) if self._group else [self.member_id]}
-        self._blocked("checkpoint snapshot")  # may wait for the previous write: not a straggler
+        self._busy("checkpoint snapshot")
         try:
             stall = self._saver.save(self.next_step, self._state(), meta)
         finally:
-            self._blocked(None)
+            self._busy(None)
+        if stall is None:
+            message = f"checkpoint of step {self.next_step} skipped: the write of step {self._saver.writing} is still running"
+            log.warning("%s", message)
+            print(f"unbroken: {message}", flush=True)
+            self._events.emit("checkpoint_skipped", step=self.next_step, writing=self._saver.writing)
+            if self._schedule is not None:
+                self._schedule.began(time.monotonic())
+            return
         if self._schedule is not None:
             self._schedule.began(time.monotonic())
             self._save_cost, self._save_cost_pending = stall, True
 
     def _final_checkpoint(self) -> None:
-        """Rank 0 saves the final state and waits until it is durable (before the final replica
-        check, so that no member leaves, and no launcher stops anyone, while it writes)."""
+        """A single process saves the final state and waits until it is durable."""
         if self._saver is None:
             return
-        if self._schedule is not None and self.member_index == 0:
+        self._saver.wait()
+        if self._schedule is not None:
             self._save()
-        self._blocked("checkpoint write")  # waiting on purpose: not a straggler
+        self._saver.wait()
+
+    def _final_checkpoint_together(self) -> bool:
+        """After the final replica check: rank 0 writes the final checkpoint and waits until it is
+        durable, marked busy (never taken for stuck, however slow the store); the others wait for
+        it on a store flag, which tolerates any write time. Every member also lets its own
+        background write finish. False if the generation broke meanwhile (rejoin and redo)."""
+        if self._saver is None:
+            return True
         try:
-            self._saver.wait()
-        finally:
-            self._blocked(None)
+            self._busy("checkpoint write")
+            try:
+                self._saver.wait()
+                if self._schedule is not None and self.member_index == 0:
+                    self._save()
+                    self._saver.wait()
+            finally:
+                self._busy(None)
+            if self._schedule is not None:
+                if self.member_index == 0:
+                    self._group.set_flag("final-checkpoint")
+                else:
+                    self._group.wait_flag("final-checkpoint", "waiting for the final checkpoint")
+        except GenerationFailed as exc:
+            self._abandon(str(exc))
+            return False
+        return True
 
     def _checkpoint_done(self, info: dict[str, Any]) -> None:
         self._events.emit("checkpoint", **info)
@@ -725,7 +821,7 @@ class Job:
             self._schedule.failure()
         if self._group is not None:
             self._report_failure(self._group.number, reason)
-            self._graveyard.append(self._group)
+            self._graveyard.park(self._group)
             self._group = None
 
     def _close_group(self) -> None:

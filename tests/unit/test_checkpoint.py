@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -145,7 +146,10 @@ def test_a_single_process_job_resumes_from_its_newest_valid_checkpoint(tmp_path,
         data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
         job = unbroken.Job(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=8,
                            checkpoint=CheckpointSettings(str(tmp_path), every=3))
-        seen = [s.index for s in job.steps(total)]
+        seen = []
+        for step in job.steps(total):
+            seen.append(step.index)
+            job._saver.wait()  # a save due while the previous one is written would be skipped
         return seen, model
 
     assert run(7)[0] == list(range(7))  # saves at 3, 6 and the final 7
@@ -188,3 +192,35 @@ def test_checkpoints_on_s3_save_list_resume_and_retain(tmp_path, monkeypatch):
         assert store.load_latest()[1]["step"] == 4
     finally:
         server.stop()
+
+
+def test_a_save_due_while_the_previous_write_runs_is_refused_at_once_not_waited_for(tmp_path):
+    import threading
+
+    release = threading.Event()
+    store = CheckpointStore(str(tmp_path))
+    done = []
+    saver = Saver(store, keep=3, on_done=done.append, fault=lambda step: release.wait(30))
+    assert saver.save(1, {"w": torch.ones(3)}, {}) is not None
+    started = time.monotonic()
+    assert saver.save(2, {"w": torch.ones(3)}, {}) is None  # the write of step 1 hangs in the store
+    assert time.monotonic() - started < 1.0
+    assert saver.writing == 1 and saver.busy()
+    release.set()
+    saver.wait()
+    assert [d["step"] for d in done] == [1] and store.steps() == [1]
+    assert saver.save(3, {"w": torch.ones(3)}, {}) is not None
+    saver.wait()
+    assert store.steps() == [3, 1]
+
+
+def test_retention_keeps_the_newest_by_write_time_and_never_the_one_just_written(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    payload = b"x"
+    # an earlier run left checkpoints of higher steps; this run's are newer but lower
+    for step in (500, 600, 700, 10, 20):
+        store.write(step, payload, {})
+        time.sleep(0.01)
+    deleted = store.retain(2, just_written=20)
+    assert store.steps() == [20, 10]
+    assert sorted(deleted) == ["step-00000500", "step-00000600", "step-00000700"]

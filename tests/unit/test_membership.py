@@ -547,3 +547,64 @@ def test_a_spare_waiting_beyond_max_members_does_not_make_a_full_generation_reco
     m.join("b", "n", None, 3, now=1.0)
     generation, _ = m.maybe_form(now=1.0)
     assert generation is not None and generation.members == ("b", "c")
+
+
+# -- progress, not silence (issue 10) ----------------------------------------------------------
+
+
+def _tick(m, member, t, progress, blocked_on=None, busy=None, warm=True):
+    m.heartbeat(member, 0, float(t), blocked_on=blocked_on, progress=progress, busy=busy, warm=warm)
+
+
+def test_a_long_step_that_keeps_making_progress_is_never_fenced_after_its_generation_broke():
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
+    m.report_failure("a", 1, now=1.0)
+    m.join("a", "n", None, 3, now=1.0)
+    for t in range(1, 40):  # "b" and "c" are in a 40 s step, one micro-batch every 4 s
+        _tick(m, "b", t, progress=t // 4)
+        _tick(m, "c", t, progress=t // 4)
+        assert m.expire(float(t)) == []
+    # then "c" stops moving: fenced once its limit has passed since its last progress
+    for t in range(40, 60):
+        _tick(m, "b", t, progress=t // 4)
+        _tick(m, "c", t, progress=9)
+        dead = m.expire(float(t))
+        if dead:
+            break
+    assert dead == ["c"] and 36 + 10 < t <= 36 + 12
+    assert m.members["c"].fenced and m.members["b"].state is MemberState.ACTIVE
+
+
+def test_a_long_step_that_keeps_making_progress_is_never_fenced_while_a_peer_waits_for_it():
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
+    for t in range(0, 60):
+        _tick(m, "a", t, progress=1, blocked_on="g1:1:gradient allreduce")
+        _tick(m, "b", t, progress=1, blocked_on="g1:1:gradient allreduce")
+        _tick(m, "c", t, progress=t // 3)  # slow, but moving
+        assert m.expire(float(t)) == []
+
+
+def test_a_first_step_is_judged_by_the_warmup_timeout():
+    settings = MembershipSettings(expected_members=3, progress_timeout=10.0, warmup_timeout=50.0, heartbeat_timeout=100.0)
+    m = _active_generation(settings)
+    for t in range(0, 70):
+        _tick(m, "a", t, progress=1, blocked_on="g1:1:gradient allreduce", warm=False)
+        _tick(m, "b", t, progress=1, blocked_on="g1:1:gradient allreduce", warm=False)
+        _tick(m, "c", t, progress=0, warm=False)  # compiling: no progress at all
+        dead = m.expire(float(t))
+        if dead:
+            break
+    assert dead == ["c"] and 50 < t <= 52
+
+
+def test_a_member_busy_on_purpose_is_never_fenced_but_its_silence_still_counts():
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=5.0))
+    for t in range(0, 40):
+        _tick(m, "a", t, progress=1, blocked_on="g1:1:final checkpoint")
+        _tick(m, "b", t, progress=1, blocked_on="g1:1:final checkpoint")
+        _tick(m, "c", t, progress=1, busy="final checkpoint write")
+        assert m.expire(float(t)) == []
+    _tick(m, "a", 46, progress=1, blocked_on="g1:1:final checkpoint")
+    _tick(m, "b", 46, progress=1, blocked_on="g1:1:final checkpoint")
+    assert m.expire(46.0) == ["c"]  # no heartbeat for 7 s: busy does not mean alive
+    assert not m.members["c"].fenced
