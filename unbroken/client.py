@@ -34,7 +34,10 @@ class CoordinatorClient:
         self.host, self.port = parse_address(address)
         self.timeout = timeout
         self.last_ok = time.monotonic()
-        """When (monotonic) the coordinator last answered any request: the member's lease."""
+        """When (monotonic) the newest request that the coordinator answered was *sent*: the
+        member's lease counts from there. Counting from when the reply was read would let a
+        member paused with a request in flight (SIGSTOP, a VM pause, a long GC) take a reply
+        written before its death verdict for a fresh lease."""
         self._local = threading.local()
 
     def _connection(self, read_timeout: float) -> http.client.HTTPConnection:
@@ -61,12 +64,13 @@ class CoordinatorClient:
         while True:
             try:
                 conn = self._connection(read_timeout)
+                sent = time.monotonic()
                 conn.request(method, path, body=payload if method == "POST" else None, headers={"Content-Type": "application/json"})
                 response = conn.getresponse()
                 data = response.read()
                 if response.status != 200:
                     raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
-                self.last_ok = time.monotonic()
+                self.last_ok = max(self.last_ok, sent)
                 return json.loads(data)
             except (OSError, http.client.HTTPException) as exc:
                 self._drop()
@@ -94,8 +98,18 @@ class Heartbeat:
     ``on_change`` is called (from the heartbeat thread) with every new view.
     """
 
-    def __init__(self, client: CoordinatorClient, member: str, interval: float, on_change: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        member: str,
+        interval: float,
+        on_change: Callable[[dict[str, Any]], None],
+        max_age: float = float("inf"),
+    ) -> None:
         self.client = client
+        self.max_age = max_age
+        """A reply that arrives longer than this after its request was sent (the member was paused
+        meanwhile) describes a past that may no longer hold: it is dropped, not taken as the view."""
         self.member = member
         self.interval = interval
         self.on_change = on_change
@@ -120,6 +134,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            sent = time.monotonic()
             try:
                 view = self.client.post(
                     "/v1/heartbeat",
@@ -138,6 +153,9 @@ class Heartbeat:
             except Exception as exc:  # the lease check in the runtime decides what this means
                 log.debug("heartbeat failed: %s", exc)
                 self._stop.wait(self.interval)
+                continue
+            if time.monotonic() - sent > self.max_age:
+                log.info("dropped a heartbeat reply %.1f s old", time.monotonic() - sent)
                 continue
             if view != self.view:
                 self.view = view

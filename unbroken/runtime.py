@@ -442,7 +442,7 @@ class Job:
 
         assert self.settings.coordinator is not None
         self._client = CoordinatorClient(self.settings.coordinator, self.settings.coordinator_timeout)
-        self._heartbeat = Heartbeat(self._client, self.member_id, self.settings.heartbeat_interval, self._on_view)
+        self._heartbeat = Heartbeat(self._client, self.member_id, self.settings.heartbeat_interval, self._on_view, max_age=self.settings.lease)
         self._heartbeat.progress = self._progress
         self._heartbeat.start()
         if self.settings.record_samples and self.run_dir:

@@ -1,0 +1,77 @@
+"""The coordinator client's lease: it counts from when a request was sent, never from when its
+reply was read (issue 11: a stale commit after a pause)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from unbroken.client import CoordinatorClient, Heartbeat
+
+
+class _SlowCoordinator(http.server.BaseHTTPRequestHandler):
+    delay = 0.0
+    replies: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        time.sleep(type(self).delay)
+        body = json.dumps({"generation": 1, "n": len(type(self).replies)}).encode()
+        type(self).replies.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def coordinator():
+    handler = type("Handler", (_SlowCoordinator,), {"delay": 0.0, "replies": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield handler, f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_the_lease_counts_from_when_the_request_was_sent_not_when_its_reply_arrived(coordinator):
+    handler, address = coordinator
+    handler.delay = 1.0  # a reply that takes a second, as for a member paused with it in flight
+    client = CoordinatorClient(address, timeout=5)
+    before = time.monotonic()
+    client.post("/v1/heartbeat", member="a")
+    after = time.monotonic()
+    assert after - before >= 1.0
+    assert before <= client.last_ok <= before + 0.5  # the send time, not the read time
+
+
+def test_a_heartbeat_reply_older_than_the_lease_is_dropped_not_taken_as_the_view(coordinator):
+    handler, address = coordinator
+    handler.delay = 0.6
+    views = []
+    beat = Heartbeat(CoordinatorClient(address, timeout=5), "a", interval=0.05, on_change=views.append, max_age=0.3)
+    beat.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(handler.replies) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(handler.replies) >= 3
+        assert views == [] and beat.view == {}
+        handler.delay = 0.0
+        while not views and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert views and views[0]["generation"] == 1
+    finally:
+        beat.stop()
