@@ -25,3 +25,9 @@ class GenerationFailed(UnbrokenError):
 
 class ReplicaDivergence(UnbrokenError):
     """Members hold different parameters after a commit: an invariant was broken."""
+
+
+class LoopMisuse(UnbrokenError, RuntimeError):
+    """The training loop broke a rule of :class:`~unbroken.Step` (backward not called once per
+    micro-batch, gradients computed outside ``step.backward``): its gradients would be wrong or
+    depend on the number of members, so the step is refused instead of applied."""

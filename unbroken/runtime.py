@@ -36,7 +36,7 @@ import torch
 from unbroken import healing
 from unbroken.chaos import Chaos
 from unbroken.data_plan import DataPlan
-from unbroken.errors import ConfigError, GenerationFailed, ReplicaDivergence, UnbrokenError
+from unbroken.errors import ConfigError, GenerationFailed, LoopMisuse, ReplicaDivergence, UnbrokenError
 from unbroken.telemetry import RUN_DIR_ENV, EventLog
 
 if TYPE_CHECKING:
@@ -149,6 +149,8 @@ class Step:
         self.failed = False
         self.error: Exception | None = None
         self.started = time.monotonic()
+        self._grads_at_start = job._grad_count()
+        self._grads_in_backward = 0
         # Buffers (BatchNorm statistics) change in the forward pass: keep a copy so that a failed
         # attempt leaves them as they were, like the parameters.
         self._saved_buffers = [b.detach().clone() for b in job._buffers] if job._reducer is not None else []
@@ -176,7 +178,7 @@ class Step:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate a micro-batch's mean loss, weighted by its share of the global batch."""
         if self._backwards >= len(self._micro):
-            raise RuntimeError(f"step {self.index}: backward called more times than there are micro-batches ({len(self._micro)})")
+            raise LoopMisuse(f"step {self.index}: backward called more times than there are micro-batches ({len(self._micro)})")
         weight = len(self._micro[self._backwards]) / self.job.plan.global_batch_size
         self._backwards += 1
         self.job._ticks += 1
@@ -185,7 +187,28 @@ class Step:
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         if self._backwards == len(self._micro):
             self._arm()
+        before = self.job._grad_count()
         weighted.backward()
+        self._grads_in_backward += self.job._grad_count() - before
+
+    def _check_loop(self) -> None:
+        """Refuse a step whose gradients are not the share-weighted sum the protocol needs."""
+        if self._stale:
+            return  # left early because the generation broke: redone anyway
+        outside = self.job._grad_count() - self._grads_at_start - self._grads_in_backward
+        if outside:
+            raise LoopMisuse(
+                f"step {self.index}: gradients were computed outside step.backward ({outside} gradient"
+                " update(s), e.g. loss.backward()); pass each micro-batch's loss to step.backward, which"
+                " weights it by its share of the global batch so that the model does not depend on the"
+                " number of members"
+            )
+        if self._backwards != len(self._micro):
+            raise LoopMisuse(
+                f"step {self.index}: step.backward was called {self._backwards} time(s) for {len(self._micro)}"
+                " micro-batch(es); call it exactly once per micro-batch that step.micro_batches() yields"
+                " (a skipped micro-batch would leave its samples out of the global batch)"
+            )
 
     def _arm(self) -> None:
         job = self.job
@@ -208,6 +231,7 @@ class Step:
         """
         if self._reduced is not None:
             return self._reduced
+        self._check_loop()
         job = self.job
         if job._reducer is None:
             self.loss = float(self._loss_sum) if self._loss_sum is not None else 0.0
@@ -346,6 +370,7 @@ class Job:
         self._saver: Any = None
         self._schedule: Any = None
         self._reducer = None
+        self._grad_events = 0  # gradient accumulations seen by a single process's hooks
         self._buffers = [b for b in model.buffers() if b.numel()]
         if self.distributed:
             from unbroken.gradients import GradientReducer
@@ -354,6 +379,10 @@ class Job:
             if not params:
                 raise ConfigError("the model has no parameters that require gradients")
             self._reducer = GradientReducer(params, int(self.settings.bucket_cap_mb * (1 << 20)))
+        else:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._count_grad)
 
     # -- what the script sees ------------------------------------------------------------------
 
@@ -459,6 +488,13 @@ class Job:
             print(f"unbroken: {self.member_id}: {view.get('reason')}; ending this process", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         self._wake.set()
+
+    def _count_grad(self, _: torch.Tensor) -> None:
+        self._grad_events += 1
+
+    def _grad_count(self) -> int:
+        """Gradient accumulations so far (to tell step.backward's from any other backward)."""
+        return self._reducer.ticks if self._reducer is not None else self._grad_events
 
     def _progress(self) -> int:
         """A counter that moves whenever this member works on a step: micro-batches, backwards,

@@ -154,6 +154,34 @@ def test_more_backward_calls_than_micro_batches_is_an_error():
         step.backward(job.model(x).sum())
 
 
+def test_a_micro_batch_skipped_by_the_loop_is_refused_at_commit_on_the_first_step():
+    from unbroken.errors import LoopMisuse
+
+    job = _job(micro_batch_size=4)
+    before = job.model.weight.detach().clone()
+    step = next(iter(job.steps(total=3)))
+    for i, (x, y) in enumerate(step.micro_batches()):
+        if i == 0:
+            continue  # "skip a batch after a caught error"
+        step.backward(torch.nn.functional.mse_loss(job.model(x), y))
+    with pytest.raises(LoopMisuse, match="called 1 time.*for 2 micro-batch"):
+        step.commit()
+    assert torch.equal(before, job.model.weight) and job.next_step == 0
+
+
+def test_gradients_from_a_plain_loss_backward_are_refused_at_commit_on_the_first_step():
+    from unbroken.errors import LoopMisuse
+
+    job = _job(micro_batch_size=4)
+    before = job.model.weight.detach().clone()
+    step = next(iter(job.steps(total=3)))
+    for x, y in step.micro_batches():
+        torch.nn.functional.mse_loss(job.model(x), y).backward()
+    with pytest.raises(LoopMisuse, match="outside step.backward"):
+        step.commit()
+    assert torch.equal(before, job.model.weight) and job.next_step == 0
+
+
 def test_a_collate_function_and_a_plain_dataset_are_supported():
     samples = [(torch.full((3,), float(i), dtype=torch.float64), torch.tensor([float(i)], dtype=torch.float64)) for i in range(N)]
     calls = []
