@@ -48,6 +48,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--quorum-timeout", type=float, default=d["quorum_timeout"].default, help="fail if below --min-members this long (default %(default)s)")
     _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
     _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default, help="first restart delay, doubling (default %(default)s)")
+    _flag(p, "--shutdown-grace", type=float, default=d["shutdown_grace"].default,
+          help="seconds between SIGTERM and SIGKILL at shutdown; once the job finished, how long a worker that has not"
+          " left the training loop gets before SIGKILL (default %(default)s)")
     _flag(p, "--tee", type=int, default=None, help="show this local rank's output on the console (default: lowest alive)")
     _flag(p, "--progress-interval", type=float, default=d["progress_interval"].default,
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
@@ -118,6 +121,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         nproc_per_node=nproc,
         max_restarts=args.max_restarts,
         restart_backoff=args.restart_backoff,
+        shutdown_grace=args.shutdown_grace,
         run_dir=args.run_dir,
         coordinator=coordinator,
         coordinator_host=host,

@@ -11,7 +11,13 @@ Worker lifecycle::
     STARTING/RUNNING --exit 0--> SUCCEEDED
     RUNNING --crash--> BACKOFF --delay--> RUNNING (restart count + 1)
     RUNNING --crash, restarts used up--> FAILED
-    RUNNING --shutdown--> STOPPED
+    RUNNING --non-zero exit once the job finished--> FAILED
+    RUNNING --shutdown; or the job finished and it had not left job.steps() within shutdown_grace--> STOPPED
+    BACKOFF --shutdown, or the job finished--> STOPPED
+
+A worker whose member left ``job.steps()`` (its coordinator state is ``left``) is never stopped for
+running on: what the script does after the loop (saving, evaluating) is the user's. If such a
+worker exits non-zero once the job finished, ``unbroken run`` exits 1 and names it.
 """
 
 from __future__ import annotations
@@ -96,7 +102,8 @@ class LaunchSettings:
     start_grace: float = 30.0
     """The first generation waits this long for every expected worker before starting with fewer."""
     shutdown_grace: float = 5.0
-    """Seconds workers get to exit after SIGTERM before SIGKILL."""
+    """Seconds workers get to exit after SIGTERM before SIGKILL; and, once the job finished, how
+    long a worker that has not left ``job.steps()`` gets before SIGKILL."""
     tee: int | None = None
     """Local rank whose output the console shows (default: the lowest one alive)."""
     progress_interval: float = 10.0
@@ -151,6 +158,8 @@ class Worker:
     member_id: str = ""
     started_at: float = 0.0
     restart_at: float = 0.0
+    left: bool = False
+    """The current process's member left ``job.steps()`` (seen in the coordinator's status)."""
     exits: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -179,6 +188,7 @@ class Launcher:
         self._stop_signal: int | None = None
         self._console_lock = threading.Lock()
         self._error_exits: dict[int, int] = {}
+        self._after_loop_failures: list[Worker] = []
         self._finished_at: float | None = None
         self._next_status_check = 0.0
         self._progress: Any = None
@@ -262,34 +272,51 @@ class Launcher:
             for w in self.workers:
                 if w.state is WorkerState.BACKOFF and now >= w.restart_at:
                     self._spawn(w)
-            self._stop_stragglers_after_finish(now)
+            self._watch_job(now)
             if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED) for w in self.workers):
                 return self._final_code()
 
-    def _stop_stragglers_after_finish(self, now: float) -> None:
-        """Once the job has finished, a worker that has not exited within ``shutdown_grace`` (one
-        stopped by SIGSTOP, say, or stuck) is stopped, so that the launcher itself can end."""
-        if not any(w.state in (WorkerState.RUNNING, WorkerState.BACKOFF) for w in self.workers):
+    def _watch_job(self, now: float) -> None:
+        """Every half second while a worker is not done, ask the coordinator how the job stands.
+
+        Once the job has finished, no worker is restarted, and a running worker whose member has
+        not left ``job.steps()`` within ``shutdown_grace`` of the finish (one stopped by SIGSTOP,
+        stuck, or one that never registered) is stopped, so that the launcher itself can end. A
+        worker whose member left is never stopped: what the script does after the loop is the
+        user's.
+        """
+        if not any(w.state in (WorkerState.RUNNING, WorkerState.BACKOFF) for w in self.workers) or now < self._next_status_check:
+            return
+        self._next_status_check = now + 0.5
+        try:
+            status = self.client.status()
+        except UnbrokenError:
             return
         if self._finished_at is None:
-            if now < self._next_status_check:
+            if not status.get("finished"):
                 return
-            self._next_status_check = now + 0.5
-            if self._job_finished():
-                self._finished_at = now
-            return
-        if now - self._finished_at < self.settings.shutdown_grace:
-            return
+            self._finished_at = now
+        states = {m.get("member"): m.get("state") for m in status.get("members", ())}
         for w in self.workers:
             if w.state is WorkerState.BACKOFF:
+                self._say(f"the job finished; worker {w.local_rank} is not started again")
                 w.state = WorkerState.STOPPED
             elif w.state is WorkerState.RUNNING and w.proc is not None:
-                self._say(f"the job finished; stopping worker {w.local_rank}, which did not exit")
-                w.state = WorkerState.STOPPED
-                _signal_group(w.proc, signal.SIGKILL)
+                w.left = w.left or states.get(w.member_id) == "left"  # a member never comes back from left
+                if not w.left and now - self._finished_at >= self.settings.shutdown_grace:
+                    self._say(f"the job finished; stopping worker {w.local_rank}, which had not left the training loop")
+                    w.state = WorkerState.STOPPED
+                    _signal_group(w.proc, signal.SIGKILL)
 
     def _final_code(self) -> int:
         finished = self._job_finished()
+        if finished and self._after_loop_failures:
+            last = self._after_loop_failures[-1]
+            self.reason = (
+                f"training finished, but worker {last.local_rank} ({last.member_id}) failed after leaving the"
+                f" training loop: {last.exits[-1]['how']}{self._log_tail(last)}"
+            )
+            return 1
         if finished and any(w.state is WorkerState.SUCCEEDED for w in self.workers):
             self._say("training finished")
             return 0
@@ -329,6 +356,12 @@ class Launcher:
             status = {}
         if status.get("finished"):
             worker.state = WorkerState.FAILED
+            left = any(m.get("member") == worker.member_id and m.get("state") == "left" for m in status.get("members", ()))
+            if left or worker.left:
+                # It got through job.steps() and then failed in the script's own work after the loop
+                # (saving, evaluating): training is done, but the run did not end well. Not retried.
+                self._after_loop_failures.append(worker)
+                self._say(f"worker {worker.local_rank} ({worker.member_id}) {how} after leaving the training loop")
             return None
         if status.get("failed"):
             worker.state = WorkerState.FAILED
@@ -400,6 +433,7 @@ class Launcher:
         )
         worker.proc = proc
         worker.state = WorkerState.RUNNING
+        worker.left = False
         worker.started_at = time.monotonic()
         self.events.emit("worker_start", member=worker.member_id, local_rank=worker.local_rank, pid=proc.pid, restart=worker.restarts)
         if worker.restarts:

@@ -34,6 +34,7 @@ RUN_FLAGS = [
     ["--quorum-timeout", "--quorum_timeout"],
     ["--start-grace", "--start_grace"],
     ["--restart-backoff", "--restart_backoff"],
+    ["--shutdown-grace", "--shutdown_grace"],
     ["--tee"],
     ["--progress-interval", "--progress_interval"],
     ["--chaos"],
@@ -75,7 +76,10 @@ def test_the_subcommands_are_run_coordinator_status_report_and_demo():
 def test_run_defaults_come_from_the_launch_settings():
     args = build_parser().parse_args(["run", "train.py"])
     fields = LaunchSettings.__dataclass_fields__
-    for name in ("max_restarts", "coordinator_host", "coordinator_port", "heartbeat_interval", "heartbeat_timeout", "collective_timeout", "restart_backoff"):
+    for name in (
+        "max_restarts", "coordinator_host", "coordinator_port", "heartbeat_interval", "heartbeat_timeout", "collective_timeout",
+        "restart_backoff", "shutdown_grace",
+    ):
         assert getattr(args, name) == fields[name].default, name
     assert args.nproc_per_node == "1"
     assert (args.run_dir, args.coordinator, args.node_name, args.tee, args.chaos, args.record_samples) == (None, None, None, None, None, False)
@@ -130,6 +134,7 @@ def test_a_missing_training_script_exits_2_naming_it(capsys, tmp_path):
     "flags, message",
     [
         (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+        (["--shutdown-grace", "-1"], "--shutdown-grace must not be negative"),
         (["--heartbeat-interval", "6"], "need 0 < --heartbeat-interval < --heartbeat-timeout"),
         (["--heartbeat-timeout", "40"], "need --heartbeat-timeout < --collective-timeout"),
         (["--nproc-per-node", "2", "--tee", "2"], "--tee must name a local rank in 0..1"),

@@ -23,6 +23,7 @@ parser.add_argument("--first-step-sleep", type=float, default=0.0, help="sleep t
 parser.add_argument("--first-step-rank", type=int, default=None, help="only this local rank sleeps in its first step")
 parser.add_argument("--after-loop-sleep", type=float, default=0.0, help="the leader sleeps this long after the loop")
 parser.add_argument("--after-loop-file", default=None, help="then the leader writes this file (8 MB)")
+parser.add_argument("--after-loop-exit", type=int, default=0, help="then the leader exits with this status")
 parser.add_argument("--resources", default=None, help="append this process's fd and thread counts per generation here")
 parser.add_argument("--out", default=None)
 parser.add_argument("--raise-at-step", type=int, default=None, help="raise an error at this step on every member")
@@ -98,6 +99,8 @@ if args.after_loop_file and job.is_leader:
         for _ in range(8):
             f.write(b"x" * (1 << 20))
     os.rename(args.after_loop_file + ".tmp", args.after_loop_file)
+    if args.after_loop_exit:
+        sys.exit(args.after_loop_exit)
 if args.out:
     os.makedirs(args.out, exist_ok=True)
     name = os.environ.get("UNBROKEN_MEMBER_ID", "single")
