@@ -19,8 +19,13 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
 ``POST /v1/failure``        ``{member, generation, error}``: a collective of that generation failed.
 ``POST /v1/exit``           ``{member, exitcode, reason}``: a launcher saw a worker process exit.
 ``POST /v1/leave``          ``{member, finished, step}``: a member left (``finished``: job done).
+``POST /v1/quarantine``     ``{prefix, seconds, reason}``: a launcher took a worker slot out of the
+                            job for ``seconds`` (0 lifts it). Until then ``/v1/join`` answers
+                            ``{status: "refused", reason}`` to every member id that starts with
+                            ``prefix`` (a slot: ``<node>.w<local rank>.``).
 ``GET /v1/status``          generation, members with state, step and heartbeat age, finished,
-                            failed (why the job cannot go on, or null).
+                            failed (why the job cannot go on, or null), quarantined (prefix:
+                            seconds left).
 ``GET /metrics``            Prometheus metrics (:mod:`unbroken.metrics`).
 ==========================  ======================================================================
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -84,6 +90,8 @@ class Coordinator:
         self._runner = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._quarantined: dict[str, float] = {}
+        """Quarantined slots: member id prefix -> until when (``time.monotonic()``)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -118,6 +126,7 @@ class Coordinator:
                 web.post("/v1/failure", self._failure),
                 web.post("/v1/exit", self._exit),
                 web.post("/v1/leave", self._leave),
+                web.post("/v1/quarantine", self._quarantine),
                 web.get("/v1/status", self._status),
                 web.get("/metrics", self._metrics),
             ]
@@ -255,6 +264,9 @@ class Coordinator:
     async def _join(self, request):
         body = await self._json(request)
         member_id = body["member"]
+        refusal = self._refusal(member_id)
+        if refusal is not None:
+            return self._reply({"status": "refused", "reason": refusal})
         after = int(body.get("after", 0))
         self.state.min_generation = max(self.state.min_generation, after)
         if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic()):
@@ -327,6 +339,41 @@ class Coordinator:
             self._bump()
         return self._reply({"ok": True})
 
+    async def _quarantine(self, request):
+        from aiohttp import web
+
+        body = await self._json(request)
+        prefix = body.get("prefix")
+        seconds = body.get("seconds")
+        if (
+            not isinstance(prefix, str)
+            or not prefix
+            or isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+        ):
+            raise web.HTTPBadRequest(text="expected {prefix: non-empty string, seconds: number, reason}")
+        if seconds > 0:
+            self._quarantined[prefix] = time.monotonic() + seconds
+            log.warning("slot %s quarantined for %g s: %s", prefix, seconds, body.get("reason"))
+        elif self._quarantined.pop(prefix, None) is not None:
+            log.info("slot %s is no longer quarantined", prefix)
+        return self._reply({"ok": True})
+
+    def _refusal(self, member_id: str) -> str | None:
+        """Why a member may not join (its slot is quarantined), or None; forgets expired entries."""
+        now = time.monotonic()
+        for prefix, until in list(self._quarantined.items()):
+            if until <= now:
+                del self._quarantined[prefix]
+            elif member_id.startswith(prefix):
+                return f"its slot {prefix} is quarantined for {until - now:.0f} s more"
+        return None
+
+    def _quarantine_left(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {prefix: round(until - now, 1) for prefix, until in self._quarantined.items() if until > now}
+
     async def _metrics(self, request):
         from aiohttp import web
 
@@ -346,6 +393,7 @@ class Coordinator:
                 "failed": self.state.failed,
                 "committed_step": self.state.committed_step(),
                 "live": self.state.live_count(),
+                "quarantined": self._quarantine_left(),
                 "members": [
                     {
                         "member": m.id,
