@@ -29,7 +29,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     d = LaunchSettings.__dataclass_fields__
     p = sub.add_parser("run", help="run a training script on this node, surviving worker failures")
     _flag(p, "--nproc-per-node", type=str, default="1", help="worker processes on this node (default 1)")
-    _flag(p, "--max-restarts", type=int, default=d["max_restarts"].default, help="restarts per worker after a crash (default %(default)s)")
+    _flag(p, "--max-restarts", type=int, default=d["max_restarts"].default,
+          help="restarts per worker slot within --restart-window; one failure more quarantines the slot (default %(default)s)")
+    _flag(p, "--restart-window", type=float, default=d["restart_window"].default,
+          help="seconds over which a slot's failures are counted (default %(default)s)")
+    _flag(p, "--quarantine-cooloff", type=float, default=d["quarantine_cooloff"].default,
+          help="seconds a quarantined slot is not started; then it starts again with a fresh budget (default %(default)s)")
     _flag(p, "--run-dir", default=None, help="logs and events go here (default unbroken-runs/<time>-<pid>)")
     _flag(p, "--coordinator", default=None, help="HOST:PORT of an external coordinator (default: start one here)")
     _flag(p, "--coordinator-host", default=d["coordinator_host"].default, help="address of the embedded coordinator (default %(default)s)")
@@ -47,7 +52,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--progress-timeout", type=float, default=d["progress_timeout"].default, help="evict a worker stuck while peers wait this long (default %(default)s)")
     _flag(p, "--quorum-timeout", type=float, default=d["quorum_timeout"].default, help="fail if below --min-members this long (default %(default)s)")
     _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
-    _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default, help="first restart delay, doubling (default %(default)s)")
+    _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default,
+          help="restart delay after a slot's first failure within the window; doubles with each further one (default %(default)s)")
+    _flag(p, "--max-restart-backoff", type=float, default=d["max_restart_backoff"].default, help="upper bound of the restart delay (default %(default)s)")
     _flag(p, "--shutdown-grace", type=float, default=d["shutdown_grace"].default,
           help="seconds between SIGTERM and SIGKILL at shutdown; once the job finished, how long a worker that has not"
           " left the training loop gets before SIGKILL (default %(default)s)")
@@ -120,7 +127,10 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         script_args=tuple(args.script_args),
         nproc_per_node=nproc,
         max_restarts=args.max_restarts,
+        restart_window=args.restart_window,
+        quarantine_cooloff=args.quarantine_cooloff,
         restart_backoff=args.restart_backoff,
+        max_restart_backoff=args.max_restart_backoff,
         shutdown_grace=args.shutdown_grace,
         run_dir=args.run_dir,
         coordinator=coordinator,
@@ -190,6 +200,8 @@ def _status(args: argparse.Namespace) -> int:
     print(f"generation {status['generation']}  committed step {status['committed_step']}  live {status['live']}  finished {status['finished']}")
     if status.get("failed"):
         print(f"failed: {status['failed']}")
+    for prefix, left in (status.get("quarantined") or {}).items():
+        print(f"quarantined: {prefix}* for {left:.0f} s more")
     for m in status["members"]:
         print(f"  {m['member']:<28} {m['state']:<8} step {m['step']:<7} heartbeat {m['heartbeat_age']:.1f} s ago" + (f"  ({m['reason']})" if m["reason"] else ""))
     return 0

@@ -1,23 +1,30 @@
 """The launcher (node agent): ``unbroken run``.
 
 It starts the coordinator (unless one is given), starts the local workers, watches them, tells the
-coordinator about every exit at once, restarts a worker that crashed (with backoff, up to
-``max_restarts`` times each), forwards Ctrl-C and SIGTERM as a clean shutdown, and writes each
-worker's output to ``<run dir>/workers/w<local rank>.log``. The console shows one worker's output
-(the lowest local rank alive, or the one chosen with ``--tee``), prefixed with its name.
+coordinator about every exit at once, restarts a worker that crashed (with backoff, at most
+``max_restarts`` times within any ``restart_window`` seconds; a slot that fails more often is
+quarantined for ``quarantine_cooloff`` seconds, see :mod:`unbroken.restarts`), forwards Ctrl-C and
+SIGTERM as a clean shutdown, and writes each worker's output to
+``<run dir>/workers/w<local rank>.log``. The console shows one worker's output (the lowest local
+rank alive, or the one chosen with ``--tee``), prefixed with its name.
 
-Worker lifecycle::
+Worker (slot) lifecycle::
 
-    STARTING/RUNNING --exit 0--> SUCCEEDED
-    RUNNING --crash--> BACKOFF --delay--> RUNNING (restart count + 1)
-    RUNNING --crash, restarts used up--> FAILED
-    RUNNING --non-zero exit once the job finished--> FAILED
+    RUNNING --exit 0--> SUCCEEDED
+    RUNNING --crash, budget left--> BACKOFF --backoff--> RUNNING (restart count + 1)
+    RUNNING --crash, over budget--> QUARANTINED --cool-off--> RUNNING (restart count + 1, fresh budget)
+    RUNNING --non-zero exit once the job finished or failed--> FAILED
     RUNNING --shutdown; or the job finished and it had not left job.steps() within shutdown_grace--> STOPPED
-    BACKOFF --shutdown, or the job finished--> STOPPED
+    BACKOFF/QUARANTINED --shutdown, or the job finished--> STOPPED
 
 A worker whose member left ``job.steps()`` (its coordinator state is ``left``) is never stopped for
 running on: what the script does after the loop (saving, evaluating) is the user's. If such a
 worker exits non-zero once the job finished, ``unbroken run`` exits 1 and names it.
+
+The launcher ends when every slot is SUCCEEDED, FAILED or STOPPED. A quarantined slot is not an
+end: the others go on, and if every slot of this node is quarantined the launcher waits for the
+cool-off (the coordinator's quorum timeout still bounds the job: the launcher ends with status 1
+when the coordinator says the job failed).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.restarts import RestartPolicy, SlotBudget
 from unbroken.telemetry import EventLog
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ log = logging.getLogger(__name__)
 class WorkerState(enum.Enum):
     RUNNING = "running"
     BACKOFF = "backoff"
+    QUARANTINED = "quarantined"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -58,10 +67,16 @@ class LaunchSettings:
     script_args: tuple[str, ...] = ()
     nproc_per_node: int = 1
     """Worker processes on this node."""
-    max_restarts: int = 3
-    """Restarts allowed per worker after a crash."""
+    max_restarts: int = 5
+    """Restarts allowed per worker slot within ``restart_window``; one failure more quarantines it."""
+    restart_window: float = 300.0
+    """Seconds over which a slot's failures are counted (see :mod:`unbroken.restarts` for why
+    these defaults)."""
+    quarantine_cooloff: float = 600.0
+    """Seconds a quarantined slot is not started; then it starts again with a fresh budget."""
     restart_backoff: float = 0.1
-    """Delay before the first restart of a worker; doubles with each further restart."""
+    """Delay before restarting a slot after its first failure within the window; doubles with each
+    further failure within the window."""
     max_restart_backoff: float = 10.0
     """Upper bound of the restart delay."""
     run_dir: str | None = None
@@ -117,8 +132,7 @@ class LaunchSettings:
     def __post_init__(self) -> None:
         if isinstance(self.nproc_per_node, bool) or not isinstance(self.nproc_per_node, int) or self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node!r}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        self.restart_policy()  # validates
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise ConfigError("need 0 < --heartbeat-interval < --heartbeat-timeout")
         if self.heartbeat_timeout >= self.collective_timeout:
@@ -148,16 +162,29 @@ class LaunchSettings:
 
         CheckpointSettings(self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)  # validates
 
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(
+            max_restarts=self.max_restarts,
+            window=self.restart_window,
+            backoff=self.restart_backoff,
+            max_backoff=self.max_restart_backoff,
+            cooloff=self.quarantine_cooloff,
+        )
+
 
 @dataclass
 class Worker:
+    """One slot (local rank) and its current process."""
+
     local_rank: int
+    budget: SlotBudget
     state: WorkerState = WorkerState.RUNNING
     restarts: int = 0
     proc: subprocess.Popen | None = None
     member_id: str = ""
     started_at: float = 0.0
     restart_at: float = 0.0
+    """When a slot in BACKOFF or QUARANTINED is started again (``time.monotonic()``)."""
     left: bool = False
     """The current process's member left ``job.steps()`` (seen in the coordinator's status)."""
     exits: list[dict[str, Any]] = field(default_factory=list)
@@ -181,7 +208,8 @@ class Launcher:
         self.run_dir = os.path.abspath(settings.run_dir or os.path.join("unbroken-runs", f"{stamp}-{os.getpid()}"))
         os.makedirs(os.path.join(self.run_dir, "workers"), exist_ok=True)
         self.events = EventLog.for_run_dir(self.run_dir, f"launcher:{settings.node}")
-        self.workers = [Worker(i) for i in range(settings.nproc_per_node)]
+        policy = settings.restart_policy()
+        self.workers = [Worker(i, SlotBudget(policy)) for i in range(settings.nproc_per_node)]
         self.coordinator: Any = None
         self.address = settings.coordinator
         self._exits: queue.Queue[tuple[Worker, subprocess.Popen, int]] = queue.Queue()
@@ -271,34 +299,43 @@ class Launcher:
             now = time.monotonic()
             for w in self.workers:
                 if w.state is WorkerState.BACKOFF and now >= w.restart_at:
-                    self._spawn(w)
-            self._watch_job(now)
+                    self._restart(w)
+                elif w.state is WorkerState.QUARANTINED and now >= w.restart_at:
+                    self._end_quarantine(w)
+            verdict = self._watch_job(now)
+            if verdict is not None:
+                return verdict
             if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED) for w in self.workers):
                 return self._final_code()
 
-    def _watch_job(self, now: float) -> None:
-        """Every half second while a worker is not done, ask the coordinator how the job stands.
+    def _watch_job(self, now: float) -> int | None:
+        """Every half second while a slot is not done, ask the coordinator how the job stands.
 
-        Once the job has finished, no worker is restarted, and a running worker whose member has
+        Once the job has finished, no slot is started again, and a running worker whose member has
         not left ``job.steps()`` within ``shutdown_grace`` of the finish (one stopped by SIGSTOP,
         stuck, or one that never registered) is stopped, so that the launcher itself can end. A
         worker whose member left is never stopped: what the script does after the loop is the
-        user's.
+        user's. When the job failed and no worker of this node runs (every slot waits out a
+        backoff or a quarantine), the launcher ends with status 1: no worker would exit to say so.
         """
-        if not any(w.state in (WorkerState.RUNNING, WorkerState.BACKOFF) for w in self.workers) or now < self._next_status_check:
-            return
+        pending = (WorkerState.RUNNING, WorkerState.BACKOFF, WorkerState.QUARANTINED)
+        if not any(w.state in pending for w in self.workers) or now < self._next_status_check:
+            return None
         self._next_status_check = now + 0.5
         try:
             status = self.client.status()
         except UnbrokenError:
-            return
+            return None
         if self._finished_at is None:
             if not status.get("finished"):
-                return
+                if status.get("failed") and not any(w.state is WorkerState.RUNNING for w in self.workers):
+                    self.reason = f"the job cannot go on: {status['failed']}"
+                    return 1
+                return None
             self._finished_at = now
         states = {m.get("member"): m.get("state") for m in status.get("members", ())}
         for w in self.workers:
-            if w.state is WorkerState.BACKOFF:
+            if w.state in (WorkerState.BACKOFF, WorkerState.QUARANTINED):
                 self._say(f"the job finished; worker {w.local_rank} is not started again")
                 w.state = WorkerState.STOPPED
             elif w.state is WorkerState.RUNNING and w.proc is not None:
@@ -307,6 +344,7 @@ class Launcher:
                     self._say(f"the job finished; stopping worker {w.local_rank}, which had not left the training loop")
                     w.state = WorkerState.STOPPED
                     _signal_group(w.proc, signal.SIGKILL)
+        return None
 
     def _final_code(self) -> int:
         finished = self._job_finished()
@@ -323,10 +361,7 @@ class Launcher:
         failed = [w for w in self.workers if w.state is WorkerState.FAILED]
         if failed:
             last = failed[-1]
-            self.reason = (
-                f"no workers left: worker {last.local_rank} {last.exits[-1]['how']} and used its"
-                f" {self.settings.max_restarts} restart(s){self._log_tail(last)}"
-            )
+            self.reason = f"no workers left: worker {last.local_rank} {last.exits[-1]['how']}{self._log_tail(last)}"
         else:
             self.reason = "workers exited before the job finished"
         return 1
@@ -370,22 +405,56 @@ class Launcher:
         self._say(f"worker {worker.local_rank} ({worker.member_id}) {how}")
         if code > 0:
             # A script's own bug raises on every member: when every worker has failed with an error
-            # and no step was committed in between, restarting would only repeat it.
+            # and no step was committed in between, restarting would only repeat it. (A quarantined
+            # slot counts by its last exit.)
             step = int(status.get("committed_step", -1))
             self._error_exits = {r: s for r, s in self._error_exits.items() if s == step}
             self._error_exits[worker.local_rank] = step
             if len(self._error_exits) == len(self.workers):
                 self.reason = f"every worker failed with an error at the same point (worker {worker.local_rank}: {how}); not retrying a bug in the script{self._log_tail(worker)}"
                 return 1
-        if worker.restarts >= self.settings.max_restarts:
-            worker.state = WorkerState.FAILED
-            self._say(f"worker {worker.local_rank} used its {self.settings.max_restarts} restart(s); not restarting")
+        now = time.monotonic()
+        verdict = worker.budget.failed(now)
+        worker.restart_at = now + verdict.delay
+        if verdict.restart:
+            worker.state = WorkerState.BACKOFF
             return None
-        delay = min(self.settings.restart_backoff * (2**worker.restarts), self.settings.max_restart_backoff)
-        worker.state = WorkerState.BACKOFF
-        worker.restart_at = time.monotonic() + delay
-        worker.restarts += 1
+        worker.state = WorkerState.QUARANTINED
+        policy = worker.budget.policy
+        slot = self._slot(worker)
+        self._say(
+            f"worker {worker.local_rank} ({slot}) failed {verdict.failures} times within {policy.window:g} s;"
+            f" quarantined for {policy.cooloff:g} s"
+        )
+        self.events.emit(
+            "quarantine", local_rank=worker.local_rank, prefix=f"{slot}.", member=worker.member_id,
+            failures=verdict.failures, window=policy.window, seconds=policy.cooloff, reason=how,
+        )
+        self._tell_quarantine(worker, policy.cooloff, f"failed {verdict.failures} times within {policy.window:g} s, the last: {how}")
         return None
+
+    def _slot(self, worker: Worker) -> str:
+        """``<node>.w<local rank>``: every member id of this slot starts with it and a dot."""
+        return f"{self.settings.node}.w{worker.local_rank}"
+
+    def _tell_quarantine(self, worker: Worker, seconds: float, reason: str) -> None:
+        """The coordinator refuses joins from the slot for ``seconds`` (0: no longer)."""
+        try:
+            self.client.post("/v1/quarantine", prefix=f"{self._slot(worker)}.", seconds=seconds, reason=reason)
+        except UnbrokenError as exc:
+            log.warning("could not tell the coordinator about the quarantine of %s: %s", self._slot(worker), exc)
+
+    def _end_quarantine(self, worker: Worker) -> None:
+        cooloff = worker.budget.policy.cooloff
+        self._tell_quarantine(worker, 0, "cool-off over")
+        worker.budget.release()
+        self.events.emit("quarantine_end", local_rank=worker.local_rank, prefix=f"{self._slot(worker)}.", seconds=cooloff)
+        self._say(f"worker {worker.local_rank} ({self._slot(worker)}): cool-off over; starting it again")
+        self._restart(worker)
+
+    def _restart(self, worker: Worker) -> None:
+        worker.restarts += 1
+        self._spawn(worker)
 
     # -- processes -----------------------------------------------------------------------------
 
@@ -492,7 +561,7 @@ class Launcher:
             if w.proc is not None and w.proc.poll() is None:
                 running.append(w.proc)
                 w.state = WorkerState.STOPPED
-            elif w.state in (WorkerState.RUNNING, WorkerState.BACKOFF):
+            elif w.state in (WorkerState.RUNNING, WorkerState.BACKOFF, WorkerState.QUARANTINED):
                 w.state = WorkerState.STOPPED
         for proc in running:
             _signal_group(proc, signal.SIGTERM)
@@ -517,7 +586,13 @@ class Launcher:
             "coordinator": self.address,
             "reason": self.reason,
             "workers": [
-                {"local_rank": w.local_rank, "state": w.state.value, "restarts": w.restarts, "exits": w.exits}
+                {
+                    "local_rank": w.local_rank,
+                    "state": w.state.value,
+                    "restarts": w.restarts,
+                    "quarantines": w.budget.quarantines,
+                    "exits": w.exits,
+                }
                 for w in self.workers
             ],
             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.settings).items()},

@@ -9,8 +9,8 @@ Common fields: ``t``, ``kind``, ``source`` (who wrote it: ``coordinator``, ``lau
 ``worker:<member>`` or ``chaos:<member>``); :meth:`EventLog.emit` refuses other fields of these
 names. Kinds: ``coordinator_start``, ``worker_start``, ``worker_exit``, ``restart``, ``join``,
 ``generation``, ``failure``, ``verdict``, ``heal``, ``step``, ``replicas``, ``finished``,
-``job_failed``, ``fault``, ``checkpoint``, ``checkpoint_interval``, ``resume``. The fields of each
-kind are in ``docs/events.md``.
+``job_failed``, ``fault``, ``checkpoint``, ``checkpoint_interval``, ``resume``, ``quarantine``,
+``quarantine_end``. The fields of each kind are in ``docs/events.md``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ COMMON_FIELDS = ("t", "kind", "source")
 KINDS = (
     "coordinator_start", "worker_start", "worker_exit", "restart", "join", "generation", "failure", "verdict",
     "heal", "step", "replicas", "finished", "job_failed", "fault", "checkpoint", "checkpoint_interval", "resume",
+    "quarantine", "quarantine_end",
 )
 
 

@@ -16,6 +16,8 @@ RUN_FLAGS = [
     ["-h", "--help"],
     ["--nproc-per-node", "--nproc_per_node"],
     ["--max-restarts", "--max_restarts"],
+    ["--restart-window", "--restart_window"],
+    ["--quarantine-cooloff", "--quarantine_cooloff"],
     ["--run-dir", "--run_dir"],
     ["--coordinator"],
     ["--coordinator-host", "--coordinator_host"],
@@ -34,6 +36,7 @@ RUN_FLAGS = [
     ["--quorum-timeout", "--quorum_timeout"],
     ["--start-grace", "--start_grace"],
     ["--restart-backoff", "--restart_backoff"],
+    ["--max-restart-backoff", "--max_restart_backoff"],
     ["--shutdown-grace", "--shutdown_grace"],
     ["--tee"],
     ["--progress-interval", "--progress_interval"],
@@ -77,8 +80,8 @@ def test_run_defaults_come_from_the_launch_settings():
     args = build_parser().parse_args(["run", "train.py"])
     fields = LaunchSettings.__dataclass_fields__
     for name in (
-        "max_restarts", "coordinator_host", "coordinator_port", "heartbeat_interval", "heartbeat_timeout", "collective_timeout",
-        "restart_backoff", "shutdown_grace",
+        "max_restarts", "restart_window", "quarantine_cooloff", "coordinator_host", "coordinator_port", "heartbeat_interval",
+        "heartbeat_timeout", "collective_timeout", "restart_backoff", "max_restart_backoff", "shutdown_grace",
     ):
         assert getattr(args, name) == fields[name].default, name
     assert args.nproc_per_node == "1"
@@ -134,6 +137,9 @@ def test_a_missing_training_script_exits_2_naming_it(capsys, tmp_path):
     "flags, message",
     [
         (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+        (["--restart-window", "0"], "--restart-window must be positive"),
+        (["--quarantine-cooloff", "-5"], "--quarantine-cooloff must be positive"),
+        (["--max-restart-backoff", "-1"], "--max-restart-backoff must be 0 or more"),
         (["--shutdown-grace", "-1"], "--shutdown-grace must not be negative"),
         (["--heartbeat-interval", "6"], "need 0 < --heartbeat-interval < --heartbeat-timeout"),
         (["--heartbeat-timeout", "40"], "need --heartbeat-timeout < --collective-timeout"),
@@ -176,6 +182,28 @@ def test_valid_run_flags_become_the_launch_settings(monkeypatch, script):
     s = seen["settings"]
     assert (s.nproc_per_node, s.max_restarts, s.node, s.tee, s.chaos, s.record_samples) == (3, 1, "n7", 2, "kill@step,rank=1", True)
     assert (s.script, s.script_args) == (script, ("--epochs", "2"))
+
+
+def test_the_restart_and_shutdown_flags_become_the_launch_settings(monkeypatch, script):
+    seen = {}
+
+    class FakeLauncher:
+        def __init__(self, settings):
+            seen["settings"] = settings
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+    assert main(
+        ["run", "--max-restarts", "2", "--restart-window", "30", "--quarantine_cooloff", "45", "--restart-backoff", "0.5",
+         "--max-restart-backoff", "4", "--shutdown-grace", "12", script]
+    ) == 0
+    s = seen["settings"]
+    assert (s.max_restarts, s.restart_window, s.quarantine_cooloff) == (2, 30.0, 45.0)
+    assert (s.restart_backoff, s.max_restart_backoff, s.shutdown_grace) == (0.5, 4.0, 12.0)
+    policy = s.restart_policy()
+    assert (policy.max_restarts, policy.window, policy.cooloff, policy.backoff, policy.max_backoff) == (2, 30.0, 45.0, 0.5, 4.0)
 
 
 def test_the_coordinator_and_status_commands_parse_their_options():

@@ -19,7 +19,8 @@ def script(tmp_path):
 
 def test_defaults_are_valid_and_documented_values(script):
     s = LaunchSettings(script=script)
-    assert (s.nproc_per_node, s.max_restarts, s.restart_backoff, s.max_restart_backoff) == (1, 3, 0.1, 10.0)
+    assert (s.nproc_per_node, s.max_restarts, s.restart_backoff, s.max_restart_backoff) == (1, 5, 0.1, 10.0)
+    assert (s.restart_window, s.quarantine_cooloff) == (300.0, 600.0)
     assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout, s.shutdown_grace) == (0.5, 5.0, 30.0, 5.0)
     assert (s.coordinator, s.coordinator_host, s.coordinator_port, s.run_dir, s.tee, s.chaos) == (None, "127.0.0.1", 0, None, None, None)
     assert s.script_args == () and s.record_samples is False
@@ -42,6 +43,26 @@ def test_a_negative_restart_limit_is_refused_and_zero_is_allowed(script):
     with pytest.raises(ConfigError, match="--max-restarts must be 0 or more, got -1"):
         LaunchSettings(script=script, max_restarts=-1)
     assert LaunchSettings(script=script, max_restarts=0).max_restarts == 0
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"restart_window": 0.0}, "--restart-window must be positive"),
+        ({"quarantine_cooloff": -1.0}, "--quarantine-cooloff must be positive"),
+        ({"max_restart_backoff": -1.0}, "--max-restart-backoff must be 0 or more"),
+        ({"restart_backoff": -1.0}, "--restart-backoff must be 0 or more"),
+        ({"shutdown_grace": -1.0}, "--shutdown-grace must not be negative"),
+    ],
+)
+def test_bad_restart_and_shutdown_settings_are_refused_naming_the_flag(script, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        LaunchSettings(script=script, **fields)
+
+
+def test_the_restart_policy_comes_from_the_settings(script):
+    policy = LaunchSettings(script=script, max_restarts=2, restart_window=30.0, quarantine_cooloff=9.0, restart_backoff=0.5).restart_policy()
+    assert (policy.max_restarts, policy.window, policy.cooloff, policy.backoff, policy.max_backoff) == (2, 30.0, 9.0, 0.5, 10.0)
 
 
 @pytest.mark.parametrize(
