@@ -8,12 +8,13 @@ The API is JSON over HTTP (aiohttp). Requests that wait (``join``, ``heartbeat``
 that return as soon as the answer changes, or after ``hold`` seconds with the current answer.
 
 ==========================  ======================================================================
-``POST /v1/join``           ``{member, node, pid, step, after}``: wait for a generation newer than
+``POST /v1/join``           ``{member, node, pid, step, after, warm}``: wait for a generation newer than
                             ``after`` that includes ``member``. Replies ``{status: "formed",
                             generation, members, rank, prefix, store_host, store_port}``,
                             ``{status: "wait"}`` (poll again) or ``{status: "finished"}``.
-``POST /v1/heartbeat``      ``{member, step, blocked_on, seen, hold}``: records liveness and the
-                            collective the member waits in (for the progress watchdog); replies
+``POST /v1/heartbeat``      ``{member, step, blocked_on, progress, busy, warm, seen, hold}``:
+                            records liveness, the collective the member waits in, its progress
+                            counter and deliberate busy work (for the progress watchdog); replies
                             the member's view ``{generation, broken, reconfigure, state, reason,
                             fence, finished, failed}`` as soon as it differs from ``seen``.
 ``POST /v1/failure``        ``{member, generation, error}``: a collective of that generation failed.
@@ -269,7 +270,8 @@ class Coordinator:
             return self._reply({"status": "refused", "reason": refusal})
         after = int(body.get("after", 0))
         self.state.min_generation = max(self.state.min_generation, after)
-        if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic()):
+        warm = bool(body.get("warm", True))
+        if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
             self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
             self._bump()
         deadline = time.monotonic() + self.settings.hold
@@ -302,7 +304,16 @@ class Coordinator:
         member_id = body["member"]
         seen = body.get("seen") or {}
         deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
-        self.state.heartbeat(member_id, body.get("step"), time.monotonic(), body.get("blocked_on"))
+        progress = body.get("progress")
+        self.state.heartbeat(
+            member_id,
+            body.get("step"),
+            time.monotonic(),
+            body.get("blocked_on"),
+            progress=int(progress) if isinstance(progress, int) else None,
+            busy=body.get("busy") or None,
+            warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
+        )
         while True:
             view = self.state.view_for(member_id)
             remaining = deadline - time.monotonic()

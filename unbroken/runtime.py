@@ -20,6 +20,7 @@ the reference every distributed run must match.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ import torch
 from unbroken import healing
 from unbroken.chaos import Chaos
 from unbroken.data_plan import DataPlan
+from unbroken.randomness import seed_member
 from unbroken.errors import ConfigError, GenerationFailed, LoopMisuse, ReplicaDivergence, UnbrokenError
 from unbroken.telemetry import RUN_DIR_ENV, EventLog
 
@@ -502,10 +504,18 @@ class Job:
         thread; the coordinator's watchdog fences only a member whose counter stopped."""
         return self._ticks + (self._reducer.ticks if self._reducer is not None else 0)
 
-    def _busy(self, what: str | None) -> None:
-        """Mark deliberate work that makes no step progress (never taken for stuck)."""
-        if self._heartbeat is not None:
-            self._heartbeat.busy = what
+    @contextlib.contextmanager
+    def _busy(self, what: str) -> Iterator[None]:
+        """Mark deliberate work that makes no step progress (never taken for stuck); nests."""
+        if self._heartbeat is None:
+            yield
+            return
+        previous = self._heartbeat.busy
+        self._heartbeat.busy = previous or what
+        try:
+            yield
+        finally:
+            self._heartbeat.busy = previous
 
     def _reconfigure_wanted(self) -> bool:
         view = self._heartbeat.view if self._heartbeat else {}
@@ -638,18 +648,19 @@ class Job:
             # died): its rank 0 reads the newest checkpoint and heals the others from it. The
             # others wait on a store flag, which no collective timeout cuts short.
             if group.rank == 0:
-                self._busy("reading a checkpoint")
-                try:
+                with self._busy("reading a checkpoint"):
                     self._resume_from_checkpoint()
-                finally:
-                    self._busy(None)
                 group.set_flag("resume-read")
             else:
                 group.wait_flag("resume-read", "waiting for a checkpoint to be read")
             statuses = self._exchange_status(group)
         plan = healing.plan(statuses)
-        if not plan.receivers:
-            return
+        if plan.receivers:
+            self._transfer(group, plan)
+        # Healing copied one member's RNG states to the others: give every member its own.
+        seed_member(self.plan.seed, self.next_step, group.rank)
+
+    def _transfer(self, group: Any, plan: Any) -> None:
         started = time.monotonic()
         if group.rank == plan.source:
             state = self._state()
@@ -795,11 +806,8 @@ class Job:
         """Snapshot the state and write it in the background; skipped (never waited for) while
         the previous write is still running, so that a slow store never holds up a collective."""
         meta = {"generation": self.generation, "members": list(self._group.members) if self._group else [self.member_id]}
-        self._busy("checkpoint snapshot")
-        try:
+        with self._busy("checkpoint snapshot"):
             stall = self._saver.save(self.next_step, self._state(), meta)
-        finally:
-            self._busy(None)
         if stall is None:
             message = f"checkpoint of step {self.next_step} skipped: the write of step {self._saver.writing} is still running"
             log.warning("%s", message)
@@ -829,14 +837,11 @@ class Job:
         if self._saver is None:
             return True
         try:
-            self._busy("checkpoint write")
-            try:
+            with self._busy("checkpoint write"):
                 self._saver.wait()
                 if self._schedule is not None and self.member_index == 0:
                     self._save()
                     self._saver.wait()
-            finally:
-                self._busy(None)
             if self._schedule is not None:
                 if self.member_index == 0:
                     self._group.set_flag("final-checkpoint")

@@ -137,11 +137,16 @@ def final_params(out_dir: str) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest element-wise relative difference |a - b| / max(|a|, |b|) over every tensor
+    (elements that are both exactly zero count as equal)."""
     assert a.keys() == b.keys()
     worst = 0.0
     for key in a:
-        scale = max(a[key].abs().max().item(), 1e-300)
-        worst = max(worst, (a[key] - b[key]).abs().max().item() / scale)
+        x, y = a[key].double(), b[key].double()
+        scale = torch.maximum(x.abs(), y.abs())
+        diff = (x - y).abs()
+        relative = torch.where(scale > 0, diff / scale.clamp_min(1e-300), torch.zeros_like(diff))
+        worst = max(worst, relative.max().item() if relative.numel() else 0.0)
     return worst
 
 

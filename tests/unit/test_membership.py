@@ -523,8 +523,11 @@ def test_a_member_arriving_in_time_lets_training_start_at_the_minimum():
     m.join("b", "n", None, 0, now=12.0)
     generation, _ = m.maybe_form(12.0)
     assert generation is not None and generation.members == ("a", "b")
-    m.expire(100.0 if False else 12.5)
-    assert m.failed is None
+    for t in (20.0, 40.0):  # well past start_grace + quorum_timeout counted from the first wait
+        m.heartbeat("a", 0, t)
+        m.heartbeat("b", 0, t)
+        m.expire(t)
+    assert m.failed is None and m.below_quorum_since is None
 
 
 def test_max_members_caps_a_generation_and_keeps_the_rest_waiting():

@@ -29,7 +29,12 @@ parser.add_argument("--out", default=None)
 parser.add_argument("--raise-at-step", type=int, default=None, help="raise an error at this step on every member")
 parser.add_argument("--bad-dataset", action="store_true", help="pass a dataset without __len__")
 parser.add_argument("--batchnorm", action="store_true", help="add a BatchNorm layer (buffers that change in forward)")
+parser.add_argument("--rng-log", default=None, help="append one torch.rand() draw per step attempt here (per-member randomness)")
+parser.add_argument("--slow-store", action="store_true", help="register the slowfile:// checkpoint store (slowfs.py)")
 args = parser.parse_args()
+if args.slow_store:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import slowfs  # noqa: F401  (registers slowfile://)
 
 torch.set_num_threads(1)
 torch.manual_seed(1234)
@@ -75,7 +80,10 @@ for step in job.steps(total=args.steps):
     if args.resources:
         with open(args.resources, "a") as f:
             fds, threads = resources()
-            f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID")}", "generation": {step.generation}, "step": {step.index}, "fds": {fds}, "threads": {threads}}}\n')
+            f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID")}", "generation": {step.generation}, "step": {step.index}, "fds": {fds}, "threads": {threads}, "parked": {len(job._graveyard)}, "released": {job._graveyard.released}}}\n')
+    if args.rng_log:
+        with open(args.rng_log, "a") as f:
+            f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID")}", "generation": {step.generation}, "step": {step.index}, "draw": {torch.rand(()).item()!r}}}\n')
     if first_step and args.first_step_sleep and args.first_step_rank in (None, local_rank):
         time.sleep(args.first_step_sleep)
     first_step = False
