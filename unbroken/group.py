@@ -171,18 +171,20 @@ class GenerationGroup:
             try:
                 work.wait()
             except Exception as exc:
-                error = exc
+                # Only the text: an exception object would tie this frame (and the work, which
+                # holds the group's sockets) into a reference cycle that only the GC can free.
+                error = str(exc)
         else:
             # Gloo's send/recv have no future and report completion only through a blocking
             # wait(): do that on a helper thread, which is left behind if the wait is abandoned.
-            outcome: list[BaseException | None] = []
+            outcome: list[str | None] = []
 
             def blocking_wait() -> None:
                 try:
                     work.wait()
                     outcome.append(None)
                 except BaseException as exc:
-                    outcome.append(exc)
+                    outcome.append(f"{type(exc).__name__}: {exc}")
                 self._wake.set()
 
             threading.Thread(target=blocking_wait, name="unbroken-wait", daemon=True).start()

@@ -250,7 +250,9 @@ class Step:
             self._reduced = True
         except GenerationFailed as exc:
             job._reducer.disarm()
-            self.failed, self.error, self._reduced = True, exc, False
+            # without its traceback, whose frames hold the failed collectives (and through them
+            # the abandoned group's sockets) in a cycle with this step
+            self.failed, self.error, self._reduced = True, exc.with_traceback(None), False
             self._discard()
         return self._reduced
 
@@ -272,7 +274,7 @@ class Step:
             try:
                 job._chaos.point("commit", self.index)
             except GenerationFailed as exc:
-                self.failed, self.error = True, exc
+                self.failed, self.error = True, exc.with_traceback(None)
                 self._discard()
                 return False
             reason = job._abandon_reason(self.generation, for_commit=True)
