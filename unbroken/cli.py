@@ -49,7 +49,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--nnodes", default=None, help="MIN:MAX nodes (torchrun spelling); sets --min-members/--max-members to MIN*N/MAX*N")
     _flag(p, "--min-members", type=int, default=d["min_members"].default, help="no generation below this many workers (default %(default)s)")
     _flag(p, "--max-members", type=int, default=None, help="at most this many workers in a generation (default: no limit)")
-    _flag(p, "--progress-timeout", type=float, default=d["progress_timeout"].default, help="evict a worker stuck while peers wait this long (default %(default)s)")
+    _flag(p, "--progress-timeout", type=float, default=d["progress_timeout"].default,
+          help="evict a worker whose progress stops this long while peers wait for it (default %(default)s)")
+    _flag(p, "--warmup-timeout", type=float, default=d["warmup_timeout"].default,
+          help="the same for a worker's first step (compilation, loading) (default %(default)s)")
     _flag(p, "--quorum-timeout", type=float, default=d["quorum_timeout"].default, help="fail if below --min-members this long (default %(default)s)")
     _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
     _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default,
@@ -152,6 +155,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         checkpoint_every=_every(args.checkpoint_every),
         checkpoint_keep=args.checkpoint_keep,
         progress_timeout=args.progress_timeout,
+        warmup_timeout=args.warmup_timeout,
         quorum_timeout=args.quorum_timeout,
         start_grace=args.start_grace,
     )
@@ -178,6 +182,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             min_members=args.min_members,
             max_members=args.max_members,
             progress_timeout=args.progress_timeout,
+            warmup_timeout=args.warmup_timeout,
             quorum_timeout=args.quorum_timeout,
             start_grace=args.start_grace,
         ),
@@ -235,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-members", type=int, default=None, help="at most this many members in a generation (default: no limit)")
     c.add_argument("--expected-members", type=int, default=None, help="members the first generation waits for (default: --min-members)")
     c.add_argument("--start-grace", type=float, default=30.0, help="first generation waits this long for the expected members (default 30)")
-    c.add_argument("--progress-timeout", type=float, default=20.0, help="evict a member stuck while peers wait this long (default 20)")
+    c.add_argument("--progress-timeout", type=float, default=20.0, help="evict a member whose progress stops this long while peers wait (default 20)")
+    c.add_argument("--warmup-timeout", type=float, default=600.0, help="the same for a member's first step (default 600)")
     c.add_argument("--quorum-timeout", type=float, default=300.0, help="fail the job if below --min-members this long (default 300)")
     c.add_argument("--heartbeat-timeout", type=float, default=5.0, help="silence that declares a member dead (default 5)")
     c.add_argument("--run-dir", default=None, help="write the event log here")

@@ -111,7 +111,10 @@ class LaunchSettings:
     max_members: int | None = None
     """The embedded coordinator puts at most this many workers in a generation."""
     progress_timeout: float = 20.0
-    """A worker stuck while its peers wait this long for it is declared dead and restarted."""
+    """A worker whose progress (micro-batches, gradients, collectives) stops for this long while
+    its peers wait for it is declared dead and restarted; a long step that moves is never stuck."""
+    warmup_timeout: float = 600.0
+    """The same for a worker that has not committed its first step yet (compilation, loading)."""
     quorum_timeout: float = 300.0
     """The job fails if live workers stay below ``min_members`` this long."""
     start_grace: float = 30.0
@@ -143,6 +146,8 @@ class LaunchSettings:
             raise ConfigError("need --heartbeat-timeout <= --progress-timeout, so that a stopped worker is judged by its heartbeats")
         if self.quorum_timeout <= 0:
             raise ConfigError("--quorum-timeout must be positive")
+        if self.warmup_timeout < self.progress_timeout:
+            raise ConfigError("need --warmup-timeout >= --progress-timeout")
         if self.progress_timeout >= self.collective_timeout:
             raise ConfigError("need --progress-timeout < --collective-timeout, so that a stuck worker is evicted before its peers give up")
         if self.min_members < 1 or (self.max_members is not None and self.max_members < self.min_members):
@@ -275,6 +280,7 @@ class Launcher:
                 min_members=self.settings.min_members,
                 max_members=self.settings.max_members,
                 progress_timeout=self.settings.progress_timeout,
+                warmup_timeout=self.settings.warmup_timeout,
                 quorum_timeout=self.settings.quorum_timeout,
                 start_grace=self.settings.start_grace,
             ),

@@ -33,6 +33,7 @@ RUN_FLAGS = [
     ["--min-members", "--min_members"],
     ["--max-members", "--max_members"],
     ["--progress-timeout", "--progress_timeout"],
+    ["--warmup-timeout", "--warmup_timeout"],
     ["--quorum-timeout", "--quorum_timeout"],
     ["--start-grace", "--start_grace"],
     ["--restart-backoff", "--restart_backoff"],
