@@ -3,25 +3,66 @@
 After a generation forms, its members exchange (next step, fresh, lineage digest) over the new
 group. The source is the lowest-ranked member at the highest step that holds real state; every
 other member that is behind it, at the same step by another history, or has never been healed
-nor committed (a fresh joiner), receives the full training
-state point to point: a length, then the bytes of a ``torch.save`` of the state, in chunks. No
-checkpoint is read. A receiver loads nothing until every byte has arrived, so a transfer cut by a
-failure leaves it as it was.
+nor committed (a fresh joiner), receives the full training state point to point over the
+generation's group. No checkpoint is read.
+
+The state moves tensor by tensor (:func:`send_state`, :func:`recv_state`): the nested state is
+split into a *skeleton* (its structure and every non-tensor leaf, pickled, with each tensor
+replaced by its index) and the list of its tensors (:func:`split`, :func:`join`). The messages,
+all from the source to one receiver, in this order:
+
+1. header (tag ``TAG_HEADER``): int64[4] = ``MAGIC``, ``STATE_VERSION``, manifest bytes, tensor
+   bytes. Its layout never changes, so that a receiver can tell a sender of another version.
+2. manifest (tag ``TAG_MANIFEST``): uint8[manifest bytes], a pickle of the skeleton, each
+   tensor's dtype and shape, and the list of tensor messages that follow.
+3. tensor messages, in the manifest's order: a slice of at most ``MESSAGE_BYTES`` of one large
+   tensor (``LARGE_BYTES`` or more; tag ``TAG_TENSOR``), sent from the tensor's own CPU memory
+   without a copy when it is contiguous; or a pack (tag ``TAG_PACK``): small tensors of one dtype
+   concatenated into one flat buffer of at most ``PACK_BYTES``, so that thousands of tiny
+   tensors do not pay a message each. Empty tensors send nothing.
+
+The manifest is a pickle: as with the former ``torch.load(weights_only=False)`` of the whole
+state, a receiver trusts its source, a member of the same job.
+
+A receiver loads nothing into the caller's objects: it builds a new state and returns it only
+once every message has arrived, so a transfer cut by a failure leaves it as it was. It allocates
+its large tensors when the manifest arrives and faults their pages in on a helper thread while
+the data comes (``PREFAULT``): for a receiver that does not hold the memory yet, the first touch
+of new pages costs about as much as the transfer itself (benchmarks/bench_heal.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
+import math
+import pickle
 import random
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from unbroken.errors import ConfigError
 from unbroken.group import GenerationGroup
 
-STATE_VERSION = 1
-CHUNK_BYTES = 16 << 20
+STATE_VERSION = 2
+"""Version of the healing wire format; a receiver refuses a state of another version."""
+MAGIC = 0x756E62726B6E6865  # "unbrknhe": the first int64 of every header
+LARGE_BYTES = 1 << 20
+"""Tensors of at least this many bytes are sent from their own memory, the others in packs."""
+PACK_BYTES = 16 << 20
+"""Largest pack of small tensors of one dtype."""
+MESSAGE_BYTES = 64 << 20
+"""Largest message: a larger tensor goes in slices, so that every wait stays short and counts as
+progress on a slow link."""
+TAG_HEADER = 1
+TAG_MANIFEST = 2
+TAG_TENSOR = 3
+TAG_PACK = 4
+_HEADER_BYTES = 4 * 8
 
 
 @dataclass(frozen=True)
@@ -85,30 +126,309 @@ def set_rng_state(state: dict[str, Any]) -> None:
         numpy.random.set_state(state["numpy"])
 
 
-def serialize(state: dict[str, Any]) -> torch.Tensor:
+
+# -- skeleton and tensors ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver needs to allocate one tensor of the state."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """A state without its tensors: ``body`` pickles the structure and every other leaf, with
+    tensor ``i`` in place of each tensor (a pickle persistent id); ``specs[i]`` describes it."""
+
+    body: bytes
+    specs: tuple[TensorSpec, ...]
+
+
+def _streamable(obj: Any) -> bool:
+    """Whether a tensor goes by the tensor path. Anything else (sparse, quantized, nested, meta,
+    tensor subclasses) is pickled inside the skeleton as torch would pickle it."""
+    return (
+        type(obj) in (torch.Tensor, torch.nn.Parameter)
+        and obj.layout == torch.strided
+        and not obj.is_quantized
+        and not obj.is_nested
+        and obj.device.type != "meta"
+    )
+
+
+class _Splitter(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and _streamable(obj):
+            index = self._index.get(id(obj))  # the state holds obj alive while it is pickled
+            if index is None:
+                index = self._index[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return ("tensor", index)
+        return None
+
+
+class _Joiner(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, index = pid
+        if kind != "tensor":
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in a healing skeleton")
+        return self._tensors[index]
+
+
+def split(state: Any) -> tuple[Skeleton, list[torch.Tensor]]:
+    """The skeleton of ``state`` and its tensors, in the skeleton's order. Pure: ``state`` is
+    only read. Any picklable structure works (dicts keep their type and attributes, e.g. a
+    state_dict's ``_metadata``); one tensor object met twice is listed once."""
     buffer = io.BytesIO()
-    torch.save({"version": STATE_VERSION, **state}, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    splitter = _Splitter(buffer)
+    splitter.dump(state)
+    specs = tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in splitter.tensors)
+    return Skeleton(buffer.getvalue(), specs), splitter.tensors
 
 
-def deserialize(payload: torch.Tensor) -> dict[str, Any]:
-    state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(f"healing state version {state.get('version')} is not {STATE_VERSION}")
-    return state
+def join(skeleton: Skeleton, tensors: list[torch.Tensor]) -> Any:
+    """The state that :func:`split` took apart, with ``tensors`` in place of its tensors."""
+    if len(tensors) != len(skeleton.specs):
+        raise ValueError(f"the skeleton holds {len(skeleton.specs)} tensors, got {len(tensors)}")
+    for index, (tensor, spec) in enumerate(zip(tensors, skeleton.specs)):
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"tensor {index} is {tensor.dtype}{list(tensor.shape)}, the skeleton says {spec.dtype}{list(spec.shape)}"
+            )
+    return _Joiner(io.BytesIO(skeleton.body), tensors).load()
 
 
-def send_state(group: GenerationGroup, payload: torch.Tensor, dst: int, on_started: Callable[[], None]) -> None:
-    group.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, 1, "healing transfer (length)")
+def messages(specs: tuple[TensorSpec, ...]) -> list[tuple]:
+    """The tensor messages that carry tensors of ``specs``, in order: ``("slice", index, start,
+    count)`` for elements [start, start + count) of a large tensor, flattened, or ``("pack",
+    dtype, indices)`` for small tensors of one dtype, concatenated. Pure."""
+    out: list[tuple] = []
+    packs: dict[torch.dtype, list[int]] = {}
+    filled: dict[torch.dtype, int] = {}
+    for index, spec in enumerate(specs):
+        size = spec.nbytes
+        if size == 0:
+            continue
+        if size >= LARGE_BYTES:
+            per_message = max(1, MESSAGE_BYTES // spec.dtype.itemsize)
+            for start in range(0, spec.numel, per_message):
+                out.append(("slice", index, start, min(per_message, spec.numel - start)))
+            continue
+        pack = packs.setdefault(spec.dtype, [])
+        if pack and filled[spec.dtype] + size > PACK_BYTES:
+            out.append(("pack", spec.dtype, tuple(pack)))
+            pack.clear()
+            filled[spec.dtype] = 0
+        pack.append(index)
+        filled[spec.dtype] = filled.get(spec.dtype, 0) + size
+    out.extend(("pack", dtype, tuple(pack)) for dtype, pack in packs.items() if pack)
+    return out
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a flat, contiguous CPU tensor: itself (a view) if it already is one."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()  # for now: a GPU tensor goes through host memory
+    return tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+
+
+# -- receiving into new memory ---------------------------------------------------------------------
+
+PREFAULT = True
+"""Whether a receiver faults in the pages of its new tensors on a helper thread, ahead of the data."""
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
+_PREFAULT_STEP = 8 << 20
+_madvise: Any = None
+
+
+def _populate_write() -> Any:
+    """libc's madvise, or None where it or MADV_POPULATE_WRITE cannot be used."""
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        if sys.platform.startswith("linux"):
+            try:
+                function = ctypes.CDLL(None, use_errno=True).madvise
+                function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                function.restype = ctypes.c_int
+                _madvise = function
+            except (OSError, AttributeError):
+                pass
+    return _madvise or None
+
+
+class _Prefault:
+    """Faults in the pages of the tensors a receiver is about to fill, in order, on a helper
+    thread (ctypes lets go of the GIL), so that the first touch of new memory, which can cost more
+    than the transfer itself, overlaps with the transfer instead of stalling it. It only maps
+    pages (``MADV_POPULATE_WRITE``) and never writes data, so it may run over a tensor that is
+    being filled. Where that call is missing it does nothing."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        madvise = _populate_write()
+        if madvise is not None and tensors:
+            self._thread = threading.Thread(target=self._run, args=(madvise, tensors), name="unbroken-heal-prefault", daemon=True)
+            self._thread.start()
+
+    def _run(self, madvise: Any, tensors: list[torch.Tensor]) -> None:
+        page = 4096
+        for tensor in tensors:
+            first = tensor.data_ptr()
+            start = (first + page - 1) // page * page
+            end = (first + tensor.numel() * tensor.element_size()) // page * page
+            for at in range(start, end, _PREFAULT_STEP):
+                if self._stop.is_set():
+                    return
+                if madvise(at, min(_PREFAULT_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
+                    return  # not supported here (EINVAL), or out of memory: the transfer will tell
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+# -- transfer ------------------------------------------------------------------------------------
+
+
+def send_state(
+    group: GenerationGroup,
+    state: dict[str, Any],
+    dst: int,
+    on_started: Callable[[], None] = lambda: None,
+    progress: Callable[[], None] = lambda: None,
+) -> int:
+    """Send ``state`` to rank ``dst`` of ``group``; returns the bytes sent.
+
+    ``on_started`` is called once, after the first messages (header and manifest) and before
+    any tensor (a fault-injection point); ``progress`` after every message sent. Large tensors
+    go from their own memory (a copy only if they are not contiguous, or not on the CPU).
+    Raises :class:`GenerationFailed` if the transfer fails or the generation is abandoned.
+    """
+    skeleton, tensors = split(state)
+    plan_ = messages(skeleton.specs)
+    manifest = pickle.dumps((skeleton, plan_), protocol=pickle.HIGHEST_PROTOCOL)
+    payload = sum(spec.nbytes for spec in skeleton.specs)
+    header = torch.tensor([MAGIC, STATE_VERSION, len(manifest), payload], dtype=torch.int64)
+    group.send(header, dst, TAG_HEADER, "healing transfer (header)")
+    progress()
+    group.send(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), dst, TAG_MANIFEST, "healing transfer (manifest)")
+    progress()
     on_started()
-    for start in range(0, payload.numel(), CHUNK_BYTES):
-        group.send(payload[start : start + CHUNK_BYTES], dst, 2, "healing transfer")
+    sent = _HEADER_BYTES + len(manifest)
+    current: tuple[int, torch.Tensor] | None = None  # the large tensor being sent, flattened
+    buffer: torch.Tensor | None = None
+    for message in plan_:
+        if message[0] == "slice":
+            _, index, start, count = message
+            if current is None or current[0] != index:
+                current = buffer = None  # free a copy of the previous tensor before making the next
+                current = (index, _flat(tensors[index]))
+            buffer = current[1][start : start + count]
+            group.send(buffer, dst, TAG_TENSOR, "healing transfer (tensor)")
+        else:
+            _, _, indices = message
+            parts = [tensors[i].detach().resolve_conj().resolve_neg().reshape(-1) for i in indices]
+            if len({part.device for part in parts}) == 1:
+                buffer = _flat(torch.cat(parts))  # on a GPU: one copy to the host per pack
+            else:
+                buffer = torch.cat([_flat(part) for part in parts])
+            del parts
+            group.send(buffer, dst, TAG_PACK, "healing transfer (small tensors)")
+        sent += buffer.numel() * buffer.element_size()
+        progress()
+    return sent
 
 
-def recv_state(group: GenerationGroup, src: int) -> torch.Tensor:
-    length = torch.zeros(1, dtype=torch.int64)
-    group.recv(length, src, 1, "healing transfer (length)")
-    payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    for start in range(0, payload.numel(), CHUNK_BYTES):
-        group.recv(payload[start : start + CHUNK_BYTES], src, 2, "healing transfer")
-    return payload
+def recv_state(group: GenerationGroup, src: int, progress: Callable[[], None] = lambda: None) -> tuple[dict[str, Any], int]:
+    """Receive a state sent by :func:`send_state` from rank ``src``; returns (state, bytes
+    received). ``progress`` is called after every message received.
+
+    Nothing is loaded into the caller's objects: a transfer cut by a failure
+    (:class:`GenerationFailed`) leaves the receiver as it was. Every tensor arrives as a plain,
+    contiguous CPU tensor with its own memory, of the sender's dtype, shape and values: a
+    non-contiguous tensor or a view arrives as a contiguous copy, tensors that share memory in
+    the sender (a view and its base) arrive as separate tensors, a GPU tensor arrives on the CPU,
+    a Parameter arrives as a plain tensor (state_dicts hold plain tensors). One tensor object
+    that appears twice in the state arrives as one object, twice.
+    Raises :class:`ConfigError` if the sender runs another version of the wire format.
+    """
+    header = torch.zeros(4, dtype=torch.int64)
+    group.recv(header, src, TAG_HEADER, "healing transfer (header)")
+    progress()
+    magic, version, manifest_bytes, payload = header.tolist()
+    if magic != MAGIC:
+        raise ConfigError(f"the healing transfer from rank {src} does not start with a healing header")
+    if version != STATE_VERSION:
+        raise ConfigError(
+            f"healing state version {version} from rank {src} is not {STATE_VERSION}: members run different versions of unbroken"
+        )
+    raw = torch.empty(manifest_bytes, dtype=torch.uint8)
+    group.recv(raw, src, TAG_MANIFEST, "healing transfer (manifest)")
+    progress()
+    skeleton, plan_ = pickle.loads(raw.numpy().tobytes())
+    del raw
+    specs = skeleton.specs
+    tensors: list[torch.Tensor | None] = [None] * len(specs)
+    large = []  # allocated now (no memory is touched yet), in the order they arrive
+    for message in plan_:
+        if message[0] == "slice" and tensors[message[1]] is None:
+            tensors[message[1]] = torch.empty(specs[message[1]].shape, dtype=specs[message[1]].dtype)
+            large.append(tensors[message[1]])
+    prefault = _Prefault(large) if PREFAULT else None
+    del large
+    try:
+        received = _receive_tensors(group, src, plan_, specs, tensors, progress)
+    finally:
+        if prefault is not None:
+            prefault.stop()
+    if received != payload:
+        raise ValueError(f"healing transfer from rank {src}: received {received} tensor bytes, the header announced {payload}")
+    received += _HEADER_BYTES + manifest_bytes
+    for index, spec in enumerate(specs):
+        if tensors[index] is None:  # empty tensors travel in the manifest only
+            tensors[index] = torch.empty(spec.shape, dtype=spec.dtype)
+    return join(skeleton, tensors), received
+
+
+def _receive_tensors(group: GenerationGroup, src: int, plan_: list[tuple], specs: tuple[TensorSpec, ...],
+                     tensors: list[torch.Tensor | None], progress: Callable[[], None]) -> int:
+    received = 0
+    for message in plan_:
+        if message[0] == "slice":
+            _, index, start, count = message
+            buffer = tensors[index].view(-1)[start : start + count]
+            group.recv(buffer, src, TAG_TENSOR, "healing transfer (tensor)")
+        else:
+            _, dtype, indices = message
+            buffer = torch.empty(sum(specs[i].numel for i in indices), dtype=dtype)
+            group.recv(buffer, src, TAG_PACK, "healing transfer (small tensors)")
+            offset = 0
+            for i in indices:
+                count = specs[i].numel
+                tensors[i] = buffer[offset : offset + count].clone().reshape(specs[i].shape)
+                offset += count
+        received += buffer.numel() * buffer.element_size()
+        progress()
+    return received
