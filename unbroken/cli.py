@@ -66,6 +66,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
     _flag(p, "--record-samples", action="store_true", help="log every step's sample positions under the run directory")
+    _flag(p, "--token", default=None,
+          help="shared secret for the coordinator (default: $UNBROKEN_TOKEN; the embedded coordinator makes one up"
+          " and writes it to RUN_DIR/coordinator.json)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -149,6 +152,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         progress_interval=args.progress_interval,
         chaos=args.chaos,
         record_samples=args.record_samples,
+        token=args.token or env.get("UNBROKEN_TOKEN") or None,
         min_members=min_members,
         max_members=max_members,
         checkpoint_dir=args.checkpoint_dir,
@@ -174,8 +178,19 @@ def _coordinator(args: argparse.Namespace) -> int:
     from unbroken.membership import MembershipSettings
     from unbroken.telemetry import EventLog
 
+    import os
+
+    token = args.token or os.environ.get("UNBROKEN_TOKEN") or None
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"unbroken: warning: the coordinator listens on {args.host} without a token: anyone who reaches it can end"
+            " the job; pass --token (or set UNBROKEN_TOKEN) here and on every node",
+            file=sys.stderr,
+        )
     coordinator = Coordinator(
-        CoordinatorSettings(host=args.host, port=args.port, store_port=args.store_port, advertise_host=args.advertise_host),
+        CoordinatorSettings(
+            host=args.host, port=args.port, store_port=args.store_port, advertise_host=args.advertise_host, token=token
+        ),
         MembershipSettings(
             heartbeat_timeout=args.heartbeat_timeout,
             expected_members=args.expected_members or args.min_members,
@@ -198,7 +213,10 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from unbroken.client import CoordinatorClient
 
-    status = CoordinatorClient(args.address, timeout=args.timeout).status()
+    import os
+
+    token = args.token or os.environ.get("UNBROKEN_TOKEN") or None
+    status = CoordinatorClient(args.address, timeout=args.timeout, token=token).status()
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -245,10 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quorum-timeout", type=float, default=300.0, help="fail the job if below --min-members this long (default 300)")
     c.add_argument("--heartbeat-timeout", type=float, default=5.0, help="silence that declares a member dead (default 5)")
     c.add_argument("--run-dir", default=None, help="write the event log here")
+    c.add_argument("--token", default=None, help="every request must carry this secret (default: $UNBROKEN_TOKEN; none if unset)")
     s = sub.add_parser("status", help="show a coordinator's generation and members")
     s.add_argument("address", help="HOST:PORT of the coordinator")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--timeout", type=float, default=5.0, help="give up after this many seconds (default 5)")
+    s.add_argument("--token", default=None, help="the coordinator's token (default: $UNBROKEN_TOKEN)")
     r = sub.add_parser("report", help="summarize a finished or running job from its event log; draw its timeline")
     r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (several: one per node, merged)")
     r.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")

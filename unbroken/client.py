@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from unbroken.errors import CoordinatorUnreachable
+from unbroken.errors import CoordinatorUnreachable, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,12 @@ def parse_address(address: str) -> tuple[str, int]:
 class CoordinatorClient:
     """JSON requests to one coordinator; retries connection failures up to ``timeout`` seconds."""
 
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
+    def __init__(self, address: str, timeout: float = 30.0, token: str | None = None) -> None:
         self.host, self.port = parse_address(address)
         self.timeout = timeout
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self.last_ok = time.monotonic()
         """When (monotonic) the newest request that the coordinator answered was *sent*: the
         member's lease counts from there. Counting from when the reply was read would let a
@@ -65,9 +68,14 @@ class CoordinatorClient:
             try:
                 conn = self._connection(read_timeout)
                 sent = time.monotonic()
-                conn.request(method, path, body=payload if method == "POST" else None, headers={"Content-Type": "application/json"})
+                conn.request(method, path, body=payload if method == "POST" else None, headers=self._headers)
                 response = conn.getresponse()
                 data = response.read()
+                if response.status == 401:
+                    raise Unauthorized(
+                        f"coordinator at {self.host}:{self.port} refused {path}: missing or wrong token"
+                        " (pass --token or set UNBROKEN_TOKEN to the job's token)"
+                    )
                 if response.status != 200:
                     raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
                 self.last_ok = max(self.last_ok, sent)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import logging
 import math
 import threading
@@ -65,6 +66,8 @@ class CoordinatorSettings:
     """Longest time a long poll (join, heartbeat) is held before it is answered anyway."""
     check_interval: float = 0.1
     """How often heartbeat deadlines are checked."""
+    token: str | None = None
+    """Shared secret every request must carry (``Authorization: Bearer TOKEN``); None: none."""
 
 
 class Coordinator:
@@ -91,6 +94,8 @@ class Coordinator:
         self._runner = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._reference: dict[str, str] | None = None
+        """The preflight every joining member must match (see :meth:`_mismatch`)."""
         self._quarantined: dict[str, float] = {}
         """Quarantined slots: member id prefix -> until when (``time.monotonic()``)."""
 
@@ -119,7 +124,7 @@ class Coordinator:
     async def _start_http(self) -> None:
         from aiohttp import web
 
-        app = web.Application()
+        app = web.Application(middlewares=[self._authenticate] if self.settings.token else [])
         app.add_routes(
             [
                 web.post("/v1/join", self._join),
@@ -249,6 +254,23 @@ class Coordinator:
 
     # -- handlers ------------------------------------------------------------------------------
 
+    @property
+    def _authenticate(self):
+        from aiohttp import web
+
+        expected = f"Bearer {self.settings.token}".encode()
+
+        @web.middleware
+        async def authenticate(request, handler):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response(
+                    {"error": "missing or wrong token: pass --token or set UNBROKEN_TOKEN to the job's token"}, status=401
+                )
+            return await handler(request)
+
+        return authenticate
+
     async def _json(self, request) -> dict[str, Any]:
         body = await request.json()
         if not isinstance(body, dict) or not isinstance(body.get("member", ""), str):
@@ -268,6 +290,9 @@ class Coordinator:
         refusal = self._refusal(member_id)
         if refusal is not None:
             return self._reply({"status": "refused", "reason": refusal})
+        mismatch = self._mismatch(member_id, body.get("preflight"))
+        if mismatch is not None:
+            return self._reply({"status": "mismatch", "reason": mismatch})
         after = int(body.get("after", 0))
         self.state.min_generation = max(self.state.min_generation, after)
         warm = bool(body.get("warm", True))
@@ -370,6 +395,28 @@ class Coordinator:
         elif self._quarantined.pop(prefix, None) is not None:
             log.info("slot %s is no longer quarantined", prefix)
         return self._reply({"ok": True})
+
+    def _mismatch(self, member_id: str, preflight: Any) -> str | None:
+        """Why a joining member does not match the job (None if it does). The reference is the
+        first member's preflight, kept while any member lives; it names each difference."""
+        if not isinstance(preflight, dict):
+            return None
+        if self._reference is None or self.state.live_count() == 0:
+            self._reference = {str(k): str(v) for k, v in preflight.items()}
+            return None
+        reference = self._reference
+        mine = {str(k): str(v) for k, v in preflight.items()}
+        differences = [
+            f"{key}: {mine.get(key, 'missing')} here, {reference.get(key, 'missing')} in the job"
+            for key in sorted(set(reference) | set(mine))
+            if reference.get(key) != mine.get(key)
+        ]
+        if not differences:
+            return None
+        reason = "; ".join(differences)
+        log.error("member %s refused: it does not match the job: %s", member_id, reason)
+        self.events.emit("refused", member=member_id, reason=reason)
+        return reason
 
     def _refusal(self, member_id: str) -> str | None:
         """Why a member may not join (its slot is quarantined), or None; forgets expired entries."""

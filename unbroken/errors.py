@@ -19,12 +19,22 @@ class CoordinatorUnreachable(UnbrokenError):
     """The coordinator did not answer within the configured timeout."""
 
 
+class Unauthorized(CoordinatorUnreachable):
+    """The coordinator refused a request for a missing or wrong token."""
+
+
 class GenerationFailed(UnbrokenError):
     """A collective of the current generation failed or was abandoned; the step is redone."""
 
 
 class ReplicaDivergence(UnbrokenError):
     """Members hold different parameters after a commit: an invariant was broken."""
+
+
+EXIT_MISMATCH = 78
+"""Exit status of a worker the coordinator refused because it does not match the job (sysexits'
+EX_CONFIG): its launcher stops that node instead of restarting it, since a restart would not match
+any better."""
 
 
 class LoopMisuse(UnbrokenError, RuntimeError):

@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.errors import EXIT_MISMATCH, ConfigError, UnbrokenError
 from unbroken.restarts import RestartPolicy, SlotBudget
 from unbroken.telemetry import EventLog
 
@@ -131,6 +131,9 @@ class LaunchSettings:
     """Fault schedule for the workers (see ``unbroken.chaos``)."""
     record_samples: bool = False
     """Workers log the stream positions of every step attempt (for exactly-once checks)."""
+    token: str | None = field(default=None, repr=False)
+    """Shared secret for the coordinator (``--token``/``UNBROKEN_TOKEN``). The embedded coordinator
+    makes one up when none is given; an external one needs the token it was started with."""
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc_per_node, bool) or not isinstance(self.nproc_per_node, int) or self.nproc_per_node < 1:
@@ -217,6 +220,11 @@ class Launcher:
         self.workers = [Worker(i, SlotBudget(policy)) for i in range(settings.nproc_per_node)]
         self.coordinator: Any = None
         self.address = settings.coordinator
+        import secrets
+
+        # The embedded coordinator gets a token of its own unless one is given: only this
+        # launcher's workers (and whoever reads the run directory's token file) can speak to it.
+        self.token = settings.token or (secrets.token_urlsafe(24) if settings.coordinator is None else None)
         self._exits: queue.Queue[tuple[Worker, subprocess.Popen, int]] = queue.Queue()
         self._stop_signal: int | None = None
         self._console_lock = threading.Lock()
@@ -235,7 +243,7 @@ class Launcher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_coordinator()
-            self.client = CoordinatorClient(self.address, timeout=30.0)
+            self.client = CoordinatorClient(self.address, timeout=30.0, token=self.token)
             self._say(f"run directory {self.run_dir}, coordinator {self.address}, {len(self.workers)} worker(s)")
             from unbroken.console import ProgressView
 
@@ -273,6 +281,7 @@ class Launcher:
                 host=self.settings.coordinator_host,
                 port=self.settings.coordinator_port,
                 advertise_host=self.settings.coordinator_advertise,
+                token=self.token,
             ),
             MembershipSettings(
                 heartbeat_timeout=self.settings.heartbeat_timeout,
@@ -288,6 +297,11 @@ class Launcher:
         ).start_in_thread()
         host = "127.0.0.1" if self.settings.coordinator_host == "0.0.0.0" else self.settings.coordinator_host
         self.address = f"{host}:{self.coordinator.port}"
+        # for `unbroken status` and metrics scrapers: readable by this user only
+        path = os.path.join(self.run_dir, "coordinator.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"address": self.address, "token": self.token}, f)
 
     def _supervise(self) -> int:
         while True:
@@ -409,6 +423,11 @@ class Launcher:
             self.reason = f"the job cannot go on: {status['failed']}"
             return 1
         self._say(f"worker {worker.local_rank} ({worker.member_id}) {how}")
+        if code == EXIT_MISMATCH:
+            # Refused by the coordinator: this node's script, settings or versions differ from the
+            # job's. A restart would differ just the same; stop this node and let the others train.
+            self.reason = f"worker {worker.local_rank} does not match the job; stopping this node{self._log_tail(worker, 1)}"
+            return 2
         if code > 0:
             # A script's own bug raises on every member: when every worker has failed with an error
             # and no step was committed in between, restarting would only repeat it. (A quarantined
@@ -471,6 +490,7 @@ class Launcher:
         env.update(
             {
                 "UNBROKEN_COORDINATOR": self.address,
+                "UNBROKEN_TOKEN": self.token or "",
                 "UNBROKEN_MEMBER_ID": worker.member_id,
                 "UNBROKEN_NODE": s.node,
                 "UNBROKEN_RUN_DIR": self.run_dir,
@@ -601,7 +621,7 @@ class Launcher:
                 }
                 for w in self.workers
             ],
-            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.settings).items()},
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.settings).items() if k != "token"},
         }
         with open(os.path.join(self.run_dir, "launcher.json"), "w") as f:
             json.dump(summary, f, indent=2)

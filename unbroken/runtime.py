@@ -29,7 +29,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -38,7 +38,7 @@ from unbroken import healing
 from unbroken.chaos import Chaos
 from unbroken.data_plan import DataPlan
 from unbroken.randomness import seed_member
-from unbroken.errors import ConfigError, GenerationFailed, LoopMisuse, ReplicaDivergence, UnbrokenError
+from unbroken.errors import EXIT_MISMATCH, ConfigError, GenerationFailed, LoopMisuse, ReplicaDivergence, UnbrokenError
 from unbroken.telemetry import RUN_DIR_ENV, EventLog
 
 if TYPE_CHECKING:
@@ -77,6 +77,8 @@ class RuntimeSettings:
     verify_every: int = 0
     """Also compare a hash of every member's parameters and buffers every this many steps
     (``UNBROKEN_VERIFY_EVERY``); 0 compares them only at the end. Costs a hash and a small allreduce."""
+    token: str | None = field(default=None, repr=False)
+    """The job's shared secret for the coordinator (``UNBROKEN_TOKEN``; the launcher sets it)."""
     record_samples: bool = False
     """Log the stream positions of every step attempt to ``<run dir>/samples`` (``UNBROKEN_RECORD_SAMPLES``)."""
 
@@ -354,6 +356,7 @@ class Job:
         self._graveyard = Graveyard()
         self._ticks = 0  # progress: micro-batches, backwards, collectives entered (see _progress)
         self._generation_floor = 0  # the generation of a checkpoint resumed from
+        self._preflight_cache: dict[str, Any] | None = None
         self._wake = threading.Event()
         self._client: Any = None
         self._heartbeat: Any = None
@@ -474,7 +477,7 @@ class Job:
         from unbroken.client import CoordinatorClient, Heartbeat
 
         assert self.settings.coordinator is not None
-        self._client = CoordinatorClient(self.settings.coordinator, self.settings.coordinator_timeout)
+        self._client = CoordinatorClient(self.settings.coordinator, self.settings.coordinator_timeout, self.settings.token)
         self._heartbeat = Heartbeat(self._client, self.member_id, self.settings.heartbeat_interval, self._on_view, max_age=self.settings.lease)
         self._heartbeat.progress = self._progress
         self._heartbeat.start()
@@ -519,6 +522,36 @@ class Job:
         finally:
             self._heartbeat.busy = previous
 
+    def _preflight(self) -> dict[str, Any]:
+        """What every member must agree on, or the collectives mismatch (a livelock, or the wrong
+        parameters summed together): sent with every join, compared by the coordinator."""
+        if self._preflight_cache is None:
+            import unbroken
+
+            script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+            try:
+                with open(script, "rb") as f:
+                    script_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+            except OSError:
+                script_hash = "-"
+            layout = [] if self._reducer is None else [
+                f"{b.flat.dtype}x{b.numel}/{len(b.params)}" for b in self._reducer.buckets
+            ]
+            self._preflight_cache = {
+                "gradient buckets": hashlib.sha256(";".join(layout).encode()).hexdigest()[:16] + f" ({len(layout)} buckets)",
+                "bucket_cap_mb": str(self.settings.bucket_cap_mb),
+                "verify_every": str(self.settings.verify_every),
+                "total steps": str(self.total),
+                "data plan": (
+                    f"dataset {self.plan.dataset_len}, global batch {self.plan.global_batch_size},"
+                    f" micro-batch {self.plan.micro_batch_size}, seed {self.plan.seed}"
+                ),
+                "torch": torch.__version__,
+                "unbroken": unbroken.__version__,
+                "script": f"{os.path.basename(script)} sha256 {script_hash}",
+            }
+        return self._preflight_cache
+
     def _reconfigure_wanted(self) -> bool:
         view = self._heartbeat.view if self._heartbeat else {}
         return bool(view.get("reconfigure")) and view.get("generation") == self.generation
@@ -551,6 +584,7 @@ class Job:
                 step=self.next_step,
                 after=max(self.generation, self._generation_floor),
                 warm=bool(self._heartbeat.warm),
+                preflight=self._preflight(),
             )
             if reply["status"] == "finished":
                 if self.fresh or self.total is None or self.next_step < self.total:
@@ -564,6 +598,15 @@ class Job:
                 return False
             if reply["status"] == "failed":
                 raise UnbrokenError(f"the job cannot go on: {reply.get('reason')}")
+            if reply["status"] == "mismatch":
+                print(
+                    f"unbroken: error: {self.member_id} does not match the job, so the coordinator refused it:"
+                    f" {reply.get('reason')}. Run every node with the same script, settings and versions.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._stop(finished=False)
+                raise SystemExit(EXIT_MISMATCH)
             if reply["status"] == "refused":
                 print(f"unbroken: {self.member_id}: the coordinator refuses this member: {reply.get('reason')}", file=sys.stderr, flush=True)
                 self._stop(finished=False)

@@ -30,10 +30,11 @@ KILL_STEP = 15
 STEP_DELAY = 0.2
 
 
-def scrape(port: int) -> dict[str, float] | None:
+def scrape(port: int, token: str) -> dict[str, float] | None:
     """``{metric name{labels}: value}`` from the coordinator, or None if it did not answer."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             text = response.read().decode()
     except (urllib.error.URLError, OSError):
         return None
@@ -45,9 +46,10 @@ def scrape(port: int) -> dict[str, float] | None:
     return found
 
 
-def status(port: int) -> str:
+def status(port: int, token: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "unbroken", "status", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "unbroken", "status", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "UNBROKEN_TOKEN": token},
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -69,19 +71,24 @@ def observed(tmp_path_factory):
     try:
         start = harness.wait_for(lambda: harness.Run(0, "", "", run_dir).events("coordinator_start"), 60, "the coordinator to start")
         port = start[0]["port"]
+        # the embedded coordinator's token, readable by this user only
+        token_file = os.path.join(run_dir, "coordinator.json")
+        assert oct(os.stat(token_file).st_mode & 0o777) == "0o600"
+        with open(token_file) as f:
+            token = json.load(f)["token"]
 
         def observe() -> bool:
             if proc.poll() is not None:
                 return True
-            metrics = scrape(port)
+            metrics = scrape(port, token)
             if metrics is None:
                 return False
             seen["scrapes"].append((time.time(), metrics))
             members, generation = metrics["unbroken_members"], metrics["unbroken_generation"]
             if generation >= 1 and members == 3 and "healthy" not in seen["status"]:
-                seen["status"]["healthy"] = status(port)
+                seen["status"]["healthy"] = status(port, token)
             if members == 2 and "healthy" in seen["status"] and "degraded" not in seen["status"]:
-                seen["status"]["degraded"] = status(port)
+                seen["status"]["degraded"] = status(port, token)
             return False
 
         harness.wait_for(observe, 240, "the run to end")

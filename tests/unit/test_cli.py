@@ -43,6 +43,7 @@ RUN_FLAGS = [
     ["--progress-interval", "--progress_interval"],
     ["--chaos"],
     ["--record-samples", "--record_samples"],
+    ["--token"],
 ]
 
 
