@@ -186,6 +186,17 @@ class CheckpointStore:
         found = self._published()
         return [step for step, _ in sorted(found.items(), key=lambda item: (item[1], item[0]), reverse=True)]
 
+    def newest_generation(self) -> int:
+        """The generation that wrote the newest checkpoint (0 if none): a new coordinator's
+        generations are numbered above it, so that lineages never reuse a number."""
+        for step in self.steps():
+            try:
+                with self.fs.open(self._path(self.name(step), MANIFEST), "rb") as f:
+                    return int(json.loads(f.read()).get("generation", 0))
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+        return 0
+
     def _written_at(self, base: str) -> float:
         try:
             with self.fs.open(self._path(base, MANIFEST), "rb") as f:
@@ -231,7 +242,8 @@ class CheckpointStore:
         for step in self.steps():
             try:
                 manifest, payload = self.read(step)
-                state = torch.load(io.BytesIO(payload), weights_only=False)
+                # weights_only: a checkpoint holds plain data only, and cannot name code to run
+                state = torch.load(io.BytesIO(payload), weights_only=True)
             except CheckpointCorrupt as exc:
                 log.warning("skipping checkpoint: %s", exc)
                 print(f"unbroken: warning: skipping checkpoint {exc}", flush=True)

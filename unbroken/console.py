@@ -120,6 +120,19 @@ class RunState:
         return "  ".join(parts)
 
 
+def _notice(event: dict[str, Any]) -> str | None:
+    """A console line for an event that the progress line does not show: whichever worker wrote
+    it, the user sees it (the console otherwise shows one worker's output)."""
+    kind = event.get("kind")
+    if kind == "resume":
+        return f"{event.get('source', '').removeprefix('worker:')}: resumed from step {event.get('step')} of {event.get('location')}"
+    if kind == "checkpoint_skipped":
+        return f"checkpoint of step {event.get('step')} skipped: the write of step {event.get('writing')} is still running"
+    if kind == "refused":
+        return f"{event.get('member')} refused: it does not match the job: {event.get('reason')}"
+    return None
+
+
 class EventTail:
     """The complete lines appended to a JSON-lines file since the last read, as events."""
 
@@ -201,9 +214,13 @@ class ProgressView:
         self._progress.start()
 
     def update(self) -> None:
-        """Read what the log gained and refresh the display."""
+        """Read what the log gained, print the events worth a line of their own, and refresh the
+        display."""
         for event in self.tail.read():
             self.state.feed(event)
+            notice = _notice(event)
+            if notice:
+                self.say(notice)
         if self._progress is not None:
             s = self.state
             self._progress.update(self._task, completed=s.step or 0, total=s.total, status=self.state.describe(self.clock()))
@@ -226,6 +243,11 @@ class ProgressView:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self._progress is None:
+                try:
+                    self.update()  # the last notices
+                except Exception:
+                    log.exception("console progress view failed")
         if self._progress is not None:
             try:
                 self.update()

@@ -21,7 +21,7 @@ import torch
 
 from unbroken.group import GenerationGroup
 
-CONTROL_SLOTS = 2  # [members asking to reconfigure, weighted loss sum]
+CONTROL_SLOTS = 4  # [members asking to reconfigure, weighted loss sum, counted total, members counting]
 
 
 @dataclass
@@ -109,7 +109,7 @@ class GradientReducer:
 
     # -- per step ------------------------------------------------------------------------------
 
-    def arm(self, group: GenerationGroup, reconfigure: bool, weighted_loss: torch.Tensor | None) -> None:
+    def arm(self, group: GenerationGroup, reconfigure: bool, weighted_loss: torch.Tensor | None, count: float | None = None) -> None:
         """Start reducing buckets as their gradients become final (call before the last backward)."""
         self._group = group
         self._armed = True
@@ -127,6 +127,8 @@ class GradientReducer:
                 control[base + 1].copy_(weighted_loss.detach().reshape(()))
             else:
                 control[base + 1] = 0.0
+            control[base + 2] = 0.0 if count is None else count
+            control[base + 3] = 0.0 if count is None else 1.0
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         self.ticks += 1
@@ -151,11 +153,12 @@ class GradientReducer:
             except Exception as exc:  # the group is broken: finish() reports it
                 self.error = exc
 
-    def finish(self, in_flight: Callable[[], None] | None = None) -> tuple[float, float]:
+    def finish(self, in_flight: Callable[[], None] | None = None) -> tuple[float, float, float, float]:
         """Launch what is left, wait for every bucket and write the sums back into ``.grad``.
 
         ``in_flight`` is called once every bucket was sent and before any wait (a fault point).
-        Returns the summed control slots (members asking to reconfigure, global mean loss).
+        Returns the summed control slots (members asking to reconfigure, weighted loss sum,
+        counted total and members counting, the last two for losses normalised by a global count).
         Raises :class:`~unbroken.errors.GenerationFailed` if any allreduce fails or is abandoned;
         the gradients are then left unreduced and must not be applied.
         """
@@ -173,10 +176,10 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.unpack()
         if not self.buckets:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         first = self.buckets[0]
         base = first.numel + len(first.params)
-        return float(first.flat[base]), float(first.flat[base + 1])
+        return float(first.flat[base]), float(first.flat[base + 1]), float(first.flat[base + 2]), float(first.flat[base + 3])
 
     def disarm(self) -> None:
         self._armed = False

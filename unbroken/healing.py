@@ -21,8 +21,10 @@ all from the source to one receiver, in this order:
    concatenated into one flat buffer of at most ``PACK_BYTES``, so that thousands of tiny
    tensors do not pay a message each. Empty tensors send nothing.
 
-The manifest is a pickle: as with the former ``torch.load(weights_only=False)`` of the whole
-state, a receiver trusts its source, a member of the same job.
+The manifest is a pickle, read by a restricted unpickler (:class:`_SafeUnpickler`): only plain
+containers, numbers, strings, torch dtypes and sizes, numpy arrays and this module's own types,
+never an arbitrary callable. A state_dict that holds other objects is refused with an error
+naming the type. (Checkpoints load with ``torch.load(weights_only=True)`` for the same reason.)
 
 A receiver loads nothing into the caller's objects: it builds a new state and returns it only
 once every message has arrived, so a transfer cut by a failure leaves it as it was. It allocates
@@ -113,7 +115,9 @@ def rng_state() -> dict[str, Any]:
     if "numpy" in sys.modules:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        name, keys, position, has_gauss, cached = numpy.random.get_state()
+        # plain values, so that checkpoints load with torch.load(weights_only=True)
+        state["numpy"] = (str(name), keys.tolist(), int(position), int(has_gauss), float(cached))
     return state
 
 
@@ -123,7 +127,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        name, keys, position, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), position, has_gauss, cached))
 
 
 
@@ -183,7 +188,47 @@ class _Splitter(pickle.Pickler):
         return None
 
 
-class _Joiner(pickle.Unpickler):
+_SAFE_BUILTINS = frozenset(
+    ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bytearray", "bool", "slice", "range")
+)
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("unbroken.healing", "TensorSpec"),
+    ("unbroken.healing", "Skeleton"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"),
+}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Unpickles only plain data: a healing payload can never name a callable to run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _SAFE_BUILTINS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _SAFE_GLOBALS or module == "numpy.dtypes":
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"the healing state holds a {module}.{name}, which is not plain data; state_dicts healed"
+            " between members (model, optimizer, scheduler, extra_state) may hold only containers,"
+            " numbers, strings, tensors and numpy arrays"
+        )
+
+
+def _safe_loads(data: bytes) -> Any:
+    return _SafeUnpickler(io.BytesIO(data)).load()
+
+
+class _Joiner(_SafeUnpickler):
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file)
         self._tensors = tensors
@@ -387,7 +432,7 @@ def recv_state(group: GenerationGroup, src: int, progress: Callable[[], None] = 
     raw = torch.empty(manifest_bytes, dtype=torch.uint8)
     group.recv(raw, src, TAG_MANIFEST, "healing transfer (manifest)")
     progress()
-    skeleton, plan_ = pickle.loads(raw.numpy().tobytes())
+    skeleton, plan_ = _safe_loads(raw.numpy().tobytes())
     del raw
     specs = skeleton.specs
     tensors: list[torch.Tensor | None] = [None] * len(specs)

@@ -38,7 +38,7 @@ from unbroken import healing
 from unbroken.chaos import Chaos
 from unbroken.data_plan import DataPlan
 from unbroken.randomness import seed_member
-from unbroken.errors import EXIT_MISMATCH, ConfigError, GenerationFailed, LoopMisuse, ReplicaDivergence, UnbrokenError
+from unbroken.errors import EXIT_MISMATCH, ConfigError, GenerationFailed, LoopMisuse, ReplicaDivergence, Unauthorized, UnbrokenError
 from unbroken.telemetry import RUN_DIR_ENV, EventLog
 
 if TYPE_CHECKING:
@@ -155,6 +155,8 @@ class Step:
         self.started = time.monotonic()
         self._grads_at_start = job._grad_count()
         self._grads_in_backward = 0
+        self._counting: bool | None = None  # backward(count=...) used in this step
+        self._count = 0.0
         # Buffers (BatchNorm statistics) change in the forward pass: keep a copy so that a failed
         # attempt leaves them as they were, like the parameters.
         self._saved_buffers = [b.detach().clone() for b in job._buffers] if job._reducer is not None else []
@@ -179,11 +181,30 @@ class Step:
             job._ticks += 1
             yield batch
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate a micro-batch's mean loss, weighted by its share of the global batch."""
+    def backward(self, loss: torch.Tensor, count: float | torch.Tensor | None = None) -> None:
+        """Backpropagate a micro-batch's loss.
+
+        Without ``count``, ``loss`` is the mean over the micro-batch's samples; it is weighted by
+        the micro-batch's share of the global batch. With ``count`` (say, the number of tokens
+        that are not padding), ``loss`` is the *sum* of the per-item losses over ``count`` items:
+        the counts of every member are summed with the gradients, which are then divided by that
+        global count, so a token-normalised loss gives the same model at any member count. Use
+        one form for every micro-batch of a job."""
         if self._backwards >= len(self._micro):
             raise LoopMisuse(f"step {self.index}: backward called more times than there are micro-batches ({len(self._micro)})")
-        weight = len(self._micro[self._backwards]) / self.job.plan.global_batch_size
+        counting = count is not None
+        if self._counting is None:
+            self._counting = counting
+        elif self._counting != counting:
+            raise LoopMisuse(f"step {self.index}: step.backward was called with and without count= in one step; use one form")
+        if counting:
+            value = float(count.detach().sum()) if isinstance(count, torch.Tensor) else float(count)
+            if not value >= 0:
+                raise LoopMisuse(f"step {self.index}: count must be a non-negative number of items, got {count!r}")
+            self._count += value
+            weight = 1.0
+        else:
+            weight = len(self._micro[self._backwards]) / self.job.plan.global_batch_size
         self._backwards += 1
         self.job._ticks += 1
         weighted = loss * weight
@@ -225,7 +246,7 @@ class Step:
         if self._stale:
             return
         job._record_attempt(self)
-        job._reducer.arm(job._group, job._reconfigure_wanted(), self._loss_sum)
+        job._reducer.arm(job._group, job._reconfigure_wanted(), self._loss_sum, self._count if self._counting else None)
 
     def reduce(self) -> bool:
         """Allreduce the gradients; afterwards ``.grad`` holds the global-batch gradient on every member.
@@ -238,17 +259,18 @@ class Step:
         self._check_loop()
         job = self.job
         if job._reducer is None:
-            self.loss = float(self._loss_sum) if self._loss_sum is not None else 0.0
+            loss = float(self._loss_sum) if self._loss_sum is not None else 0.0
+            self.loss = self._normalise(loss, self._count, 1.0 if self._counting else 0.0)
             self._reduced = True
             return True
         try:
             self._arm()
             if self._stale:
                 raise GenerationFailed(f"step {self.index} not sent: {self._stale}")
-            flag, loss = job._reducer.finish(lambda: job._chaos.point("allreduce", self.index))
+            flag, loss, count, counting = job._reducer.finish(lambda: job._chaos.point("allreduce", self.index))
             job._sync_buffers()
             self.reconfigure = flag > 0
-            self.loss = loss
+            self.loss = self._normalise(loss, count, counting)
             self._reduced = True
         except GenerationFailed as exc:
             job._reducer.disarm()
@@ -257,6 +279,20 @@ class Step:
             self.failed, self.error, self._reduced = True, exc.with_traceback(None), False
             self._discard()
         return self._reduced
+
+    def _normalise(self, loss: float, count: float, counting: float) -> float:
+        """Divide the summed gradients and loss by the global count when backward(count=) was
+        used (by any member: those with an empty share follow the others)."""
+        if not counting:
+            return loss
+        if count <= 0:
+            raise LoopMisuse(f"step {self.index}: the counts passed to step.backward sum to {count} over the global batch; nothing to normalise by")
+        with torch.no_grad():
+            for p in self.job.optimizer.param_groups:
+                for param in p["params"]:
+                    if param.grad is not None:
+                        param.grad.div_(count)
+        return loss / count
 
     def _discard(self) -> None:
         """Undo what a failed attempt changed: gradients and buffers."""
@@ -575,17 +611,22 @@ class Job:
 
         deadline = time.monotonic() + self.settings.join_timeout
         while True:
-            reply = self._client.post(
-                "/v1/join",
-                read_timeout=30.0,
-                member=self.member_id,
-                node=self.settings.node,
-                pid=os.getpid(),
-                step=self.next_step,
-                after=max(self.generation, self._generation_floor),
-                warm=bool(self._heartbeat.warm),
-                preflight=self._preflight(),
-            )
+            try:
+                reply = self._client.post(
+                    "/v1/join",
+                    read_timeout=30.0,
+                    member=self.member_id,
+                    node=self.settings.node,
+                    pid=os.getpid(),
+                    step=self.next_step,
+                    after=max(self.generation, self._generation_floor),
+                    warm=bool(self._heartbeat.warm),
+                    preflight=self._preflight(),
+                )
+            except Unauthorized as exc:
+                print(f"unbroken: error: {self.member_id}: {exc}", file=sys.stderr, flush=True)
+                self._stop(finished=False)
+                raise SystemExit(EXIT_MISMATCH) from None
             if reply["status"] == "finished":
                 if self.fresh or self.total is None or self.next_step < self.total:
                     # A member that is behind (restarted, late, or cut off until the end): the job
@@ -802,6 +843,8 @@ class Job:
             self._schedule = Schedule(self.checkpoint.every, self.checkpoint.mtbf, time.monotonic())
         if resume:
             self._resume_from_checkpoint()
+        else:
+            self._generation_floor = max(self._generation_floor, self._checkpoints.newest_generation())
 
     def _resume_from_checkpoint(self) -> None:
         """Load the newest checkpoint that verifies, if there is one."""

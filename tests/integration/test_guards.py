@@ -1,6 +1,7 @@
 """Members that do not belong (issue 11): a node whose script or settings differ is refused with
 a message naming each difference, and stopped; the others train on."""
 
+import json
 import os
 import shutil
 import signal
@@ -49,9 +50,11 @@ def test_a_node_that_does_not_match_the_job_is_refused_and_stopped_while_the_oth
     try:
         started = harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("coordinator_start"), 60, "node a's coordinator")
         address = f"127.0.0.1:{started[0]['port']}"
+        with open(os.path.join(run_a, "coordinator.json")) as f:
+            token = json.load(f)["token"]
         harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("step"), 90, "node a to train")
         b = _start(["run", "--run-dir", run_b, "--node-name", "b", "--coordinator", address, "--nproc-per-node", "1",
-                    script, "--steps", "60", "--step-delay", "0.1"], env=env_b)
+                    "--token", token, script, "--steps", "60", "--step-delay", "0.1"], env=env_b)
         out_b, err_b = _finish(b, timeout=120)
         out_a, err_a = _finish(a)
     finally:

@@ -226,3 +226,20 @@ def test_retention_keeps_the_newest_by_write_time_and_never_the_one_just_written
     deleted = store.retain(2, just_written=20)
     assert store.steps() == [20, 10]
     assert sorted(deleted) == ["step-00000500", "step-00000600", "step-00000700"]
+
+
+class _Code:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_a_checkpoint_that_names_code_to_run_is_not_executed_on_load(tmp_path, capsys):
+    import io as _io
+
+    store = CheckpointStore(str(tmp_path))
+    buffer = _io.BytesIO()
+    torch.save({"model": {"w": torch.ones(2)}, "extra": _Code()}, buffer)
+    store.write(5, buffer.getvalue(), {})
+    assert store.load_latest() is None  # skipped, with a warning, never run
+    out = capsys.readouterr().out
+    assert "this must never run" not in out and "cannot load" in out

@@ -506,3 +506,28 @@ def test_a_sender_killed_after_the_manifest_makes_the_receiver_fail_within_the_t
     assert recv["seconds"] < timeout + 2.0
     assert recv["messages"] <= 2  # header and manifest at most: no tensor came
     assert not (tmp_path / "recv.json.pt").exists()
+
+
+class _Code:
+    """An object whose unpickling would run code."""
+
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_a_healing_skeleton_that_names_code_to_run_is_refused_not_executed(capsys):
+    skeleton, tensors = healing.split({"model": {"w": torch.ones(2)}, "extra": _Code()})
+    with pytest.raises(Exception, match="builtins.print, which is not plain data"):
+        healing.join(skeleton, tensors)
+    assert "this must never run" not in capsys.readouterr().out
+
+
+def test_the_rng_state_is_plain_data_and_round_trips_numpy_too():
+    import numpy
+
+    numpy.random.seed(3)
+    state = healing.rng_state()
+    expected = numpy.random.rand(3)
+    assert isinstance(state["numpy"][1], list)
+    healing.set_rng_state(state)
+    assert (numpy.random.rand(3) == expected).all()

@@ -182,6 +182,40 @@ def test_gradients_from_a_plain_loss_backward_are_refused_at_commit_on_the_first
     assert torch.equal(before, job.model.weight) and job.next_step == 0
 
 
+def test_a_loss_normalised_by_a_count_is_the_sum_over_the_global_batch_divided_by_its_total_count():
+    job = _job(micro_batch_size=3)
+    reference = copy.deepcopy(job.model)
+    x, y = job.dataset.tensors
+    step = next(iter(job.steps(total=1)))
+    counted = 0.0
+    for xb, yb in step.micro_batches():
+        mask = (xb[:, :1] > 0).double()
+        counted += float(mask.sum())
+        step.backward(((job.model(xb) - yb) ** 2 * mask).sum(), count=mask.sum())
+    assert step.reduce()
+    positions = job.plan.indices(step.positions)
+    xs, ys = x[positions], y[positions]
+    mask = (xs[:, :1] > 0).double()
+    expected = ((reference(xs) - ys) ** 2 * mask).sum() / mask.sum()
+    expected.backward()
+    assert counted == float(mask.sum())
+    assert step.loss == pytest.approx(expected.item(), rel=1e-12)
+    assert torch.allclose(job.model.weight.grad, reference.weight.grad, rtol=1e-12, atol=0)
+
+
+def test_mixing_the_two_forms_of_backward_in_one_step_is_refused():
+    from unbroken.errors import LoopMisuse
+
+    job = _job(micro_batch_size=4)
+    step = next(iter(job.steps(total=1)))
+    batches = iter(step.micro_batches())
+    x, y = next(batches)
+    step.backward(torch.nn.functional.mse_loss(job.model(x), y))
+    x, y = next(batches)
+    with pytest.raises(LoopMisuse, match="with and without count="):
+        step.backward(((job.model(x) - y) ** 2).sum(), count=len(x))
+
+
 def test_a_collate_function_and_a_plain_dataset_are_supported():
     samples = [(torch.full((3,), float(i), dtype=torch.float64), torch.tensor([float(i)], dtype=torch.float64)) for i in range(N)]
     calls = []

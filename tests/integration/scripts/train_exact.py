@@ -30,6 +30,8 @@ parser.add_argument("--raise-at-step", type=int, default=None, help="raise an er
 parser.add_argument("--bad-dataset", action="store_true", help="pass a dataset without __len__")
 parser.add_argument("--batchnorm", action="store_true", help="add a BatchNorm layer (buffers that change in forward)")
 parser.add_argument("--rng-log", default=None, help="append one torch.rand() draw per step attempt here (per-member randomness)")
+parser.add_argument("--misuse", choices=["skip", "plain"], default=None, help="skip a micro-batch, or call loss.backward() directly")
+parser.add_argument("--token-loss", action="store_true", help="a summed loss over a data-dependent mask, normalised by the global count")
 parser.add_argument("--slow-store", action="store_true", help="register the slowfile:// checkpoint store (slowfs.py)")
 args = parser.parse_args()
 if args.slow_store:
@@ -89,7 +91,17 @@ for step in job.steps(total=args.steps):
     first_step = False
     if args.raise_at_step is not None and step.index == args.raise_at_step:
         raise RuntimeError(f"deliberate failure at step {step.index}")
-    for xb, yb in step.micro_batches():
+    for i, (xb, yb) in enumerate(step.micro_batches()):
+        if args.misuse == "skip" and i == 0:
+            continue
+        if args.misuse == "plain":
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            continue
+        if args.token_loss:
+            # like padded tokens: each sample counts a different number of its outputs
+            mask = (xb[:, :2] > -0.3).to(xb.dtype)
+            step.backward(((model(xb) - yb) ** 2 * mask).sum(), count=mask.sum())
+            continue
         step.backward(torch.nn.functional.mse_loss(model(xb), yb))
         if args.micro_delay:
             time.sleep(args.micro_delay)

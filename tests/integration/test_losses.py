@@ -1,0 +1,29 @@
+"""Losses and loops at any member count (issue 11): a token-normalised loss gives the same model
+with 1, 3 and 4 members; a loop that breaks the rules is refused on the first step."""
+
+import pytest
+
+from tests.integration import harness
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_loss_normalised_by_a_global_token_count_gives_the_same_model_at_any_member_count(tmp_path):
+    args = ["--steps", "12", "--token-loss"]
+    single = harness.single_process(str(tmp_path / "single"), *args)
+    for members in (3, 4):
+        run_dir = str(tmp_path / f"run{members}")
+        run = harness.unbroken(run_dir, "--nproc-per-node", str(members), harness.EXACT, *args, "--out", f"{run_dir}/final")
+        assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        finals = harness.final_params(f"{run_dir}/final")
+        assert len(finals) == members
+        for member, params in finals.items():
+            assert harness.max_relative_difference(params, single) < 1e-8, (members, member)
+
+
+@pytest.mark.parametrize("misuse, message", [("skip", "step.backward was called 2 time(s) for 3"), ("plain", "outside step.backward")])
+def test_a_loop_that_breaks_the_rules_is_refused_on_the_first_step_on_every_member(tmp_path, misuse, message):
+    run = harness.unbroken(str(tmp_path), "--nproc-per-node", "2", harness.EXACT, "--steps", "5", "--misuse", misuse, timeout=120)
+    assert run.code == 1
+    assert "LoopMisuse" in run.stderr and message in run.stderr and "step 0:" in run.stderr
+    assert not run.events("step")  # nothing was committed
