@@ -806,6 +806,9 @@ class Job:
         self.lineage.append(step.generation)
         self._digest = healing.extend_digest(self._digest, step.generation)
         self.fresh = False
+        if self._sample_fd is not None:  # what this member committed, for the stale-commit checks
+            line = f'{{"commit":1,"g":{step.generation},"s":{step.index},"t":{time.time()!r}}}\n'
+            os.write(self._sample_fd, line.encode())
         if self._heartbeat is not None:
             self._heartbeat.step = self.next_step
             self._heartbeat.warm = True

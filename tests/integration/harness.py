@@ -172,7 +172,8 @@ def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: 
         with open(path) as f:
             for line in f:
                 record = json.loads(line)
-                attempts.setdefault((record["g"], record["s"]), []).append(record)
+                if "commit" not in record:
+                    attempts.setdefault((record["g"], record["s"]), []).append(record)
     for step, generation in enumerate(lineage):
         records = attempts.get((generation, step), [])
         covered: list[int] = []
@@ -183,3 +184,10 @@ def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: 
         assert len(records) == records[0]["n"], f"step {step}: {len(records)} shares logged for {records[0]['n']} members"
     redone = sum(1 for (g, s) in attempts if lineage[s] != g) if lineage else 0
     return {"generations": sorted(set(lineage)), "redone_attempts": redone}
+
+
+def commits(run_dir: str, member: str) -> list[dict[str, Any]]:
+    """The steps ``member`` committed: ``{g, s, t}`` (generation, step, wall time), in order."""
+    path = os.path.join(run_dir, "samples", f"{member}.jsonl")
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if "commit" in r]

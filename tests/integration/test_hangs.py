@@ -127,3 +127,29 @@ def test_staying_below_the_minimum_past_the_quorum_timeout_ends_with_a_clear_err
         coord.wait()
     assert a.returncode == 1
     assert "below the minimum of 2" in err and "quorum_timeout" in err
+
+
+def test_a_member_stopped_before_its_commit_with_a_heartbeat_in_flight_commits_nothing_where_it_was_declared_dead(tmp_path, reference):
+    # Stopped for 3 x the heartbeat timeout between its allreduce and its commit, with a heartbeat
+    # long poll outstanding: when it wakes, the reply it reads was written before its verdict.
+    run_dir = str(tmp_path / "run")
+    run = harness.unbroken(
+        run_dir, "--nproc-per-node", "3", "--record-samples",
+        "--heartbeat-interval", "0.25", "--heartbeat-timeout", "2",
+        "--chaos", "hang@commit,rank=2,step=10,for=6",
+        harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.15", "--out", f"{run_dir}/final",
+        env={"UNBROKEN_VERIFY_EVERY": "1"},
+    )
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    fault = run.events("fault")[0]
+    victim = fault["member"]
+    verdict = [e for e in run.events("verdict") if e["member"] == victim][0]
+    assert verdict["detected_by"] == "heartbeat"
+    dead_in = max(e["generation"] for e in run.events("generation") if victim in e["members"] and e["t"] < verdict["t"])
+    stale = [c for c in harness.commits(run_dir, victim) if c["g"] == dead_in and c["t"] > verdict["t"]]
+    assert stale == [], f"{victim} committed {stale} in generation {dead_in} after it was declared dead"
+    # it woke, left that generation, rejoined under its own name and was healed
+    assert any(victim in e["receivers"] and e["t"] > verdict["t"] for e in run.events("heal"))
+    assert {w["local_rank"]: w for w in run.summary()["workers"]}[2]["restarts"] == 0
+    harness.check_exactly_once(run_dir, STEPS, GLOBAL)
+    check_same_model_and_replicas(run, reference)
