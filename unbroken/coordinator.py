@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import uuid
 import hmac
 import logging
 import math
@@ -94,6 +95,9 @@ class Coordinator:
         self._runner = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self.incarnation = uuid.uuid4().hex[:12]
+        """Names this coordinator process: a member whose generation was formed by another
+        incarnation (the coordinator restarted and lost its memory) stops committing and rejoins."""
         self._reference: dict[str, str] | None = None
         """The preflight every joining member must match (see :meth:`_mismatch`)."""
         self._quarantined: dict[str, float] = {}
@@ -139,7 +143,8 @@ class Coordinator:
         )
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=False)
+        # reuse_address: a coordinator restarted in place binds its port at once, not after TIME_WAIT
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)
         try:
             await site.start()
         except OSError as exc:
@@ -153,7 +158,7 @@ class Coordinator:
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._changed = asyncio.Event()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_deadlines())
-        self.events.emit("coordinator_start", port=self.port, store_port=self.store_port)
+        self.events.emit("coordinator_start", port=self.port, store_port=self.store_port, incarnation=self.incarnation)
         log.info("coordinator listening on %s:%s, store on port %s", self.settings.host, self.port, self.store_port)
 
     def start_in_thread(self) -> "Coordinator":
@@ -307,6 +312,7 @@ class Coordinator:
                 return self._reply(
                     {
                         "status": "formed",
+                        "incarnation": self.incarnation,
                         "generation": current.number,
                         "members": list(current.members),
                         "rank": current.members.index(member_id),
@@ -340,7 +346,7 @@ class Coordinator:
             warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
         )
         while True:
-            view = self.state.view_for(member_id)
+            view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
             remaining = deadline - time.monotonic()
             if view != seen or remaining <= 0:
                 return self._reply(view)
@@ -444,6 +450,7 @@ class Coordinator:
         current = self.state.current
         return self._reply(
             {
+                "incarnation": self.incarnation,
                 "generation": current.number if current else 0,
                 "generation_members": list(current.members) if current else [],
                 "broken": self.state.view_for("")["broken"],

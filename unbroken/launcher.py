@@ -491,6 +491,7 @@ class Launcher:
             {
                 "UNBROKEN_COORDINATOR": self.address,
                 "UNBROKEN_TOKEN": self.token or "",
+                "UNBROKEN_LAUNCHER_PID": str(os.getpid()),
                 "UNBROKEN_MEMBER_ID": worker.member_id,
                 "UNBROKEN_NODE": s.node,
                 "UNBROKEN_RUN_DIR": self.run_dir,

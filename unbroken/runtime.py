@@ -397,6 +397,8 @@ class Job:
         self._client: Any = None
         self._heartbeat: Any = None
         self._store: Any = None
+        self._store_address: tuple[str, int] | None = None
+        self._incarnation: str | None = None  # of the coordinator that formed the current generation
         self._sample_fd: int | None = None
         self._chaos = Chaos.from_env()
         run_dir = self.settings.run_dir or os.environ.get(RUN_DIR_ENV)
@@ -513,6 +515,7 @@ class Job:
         from unbroken.client import CoordinatorClient, Heartbeat
 
         assert self.settings.coordinator is not None
+        _die_with_launcher()
         self._client = CoordinatorClient(self.settings.coordinator, self.settings.coordinator_timeout, self.settings.token)
         self._heartbeat = Heartbeat(self._client, self.member_id, self.settings.heartbeat_interval, self._on_view, max_age=self.settings.lease)
         self._heartbeat.progress = self._progress
@@ -599,6 +602,12 @@ class Job:
             return f"no reply from the coordinator for {silent:.1f} s (lease {self.settings.lease:.1f} s)"
         if view.get("state") == "dead":
             return "the coordinator declared this member dead"
+        if self._incarnation is not None:
+            incarnation = view.get("incarnation")
+            if incarnation is not None and incarnation != self._incarnation:
+                return f"the coordinator restarted (incarnation {incarnation}; generation {number} was formed by {self._incarnation})"
+            if view.get("state") == "unknown":
+                return "the coordinator does not know this member (it restarted)"
         current = view.get("generation", 0)
         if current > number:
             return f"generation {current} has formed"
@@ -661,6 +670,7 @@ class Job:
                 continue
             number = reply["generation"]
             self.generation = number
+            self._incarnation = reply.get("incarnation")
             group = GenerationGroup(
                 number,
                 reply["rank"],
@@ -711,7 +721,10 @@ class Job:
             self._heartbeat.blocked_on = what
 
     def _store_for(self, host: str, port: int) -> Any:
+        if self._store is not None and self._store_address != (host, port):
+            self._store = None  # the store moved (a restarted coordinator)
         if self._store is None:
+            self._store_address = (host, port)
             import datetime
 
             import torch.distributed as dist
@@ -1004,6 +1017,25 @@ class Job:
             self._sample_fd = None
         self._close_group()
         _ExitGuard.finished = finished
+
+
+def _die_with_launcher() -> None:
+    """End this worker the moment its launcher dies (Linux's parent-death signal), so that no
+    orphan holds a node's devices or trains on unwatched; if it died already, end now."""
+    launcher = os.environ.get("UNBROKEN_LAUNCHER_PID")
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot ask to die with the launcher: %s", exc)
+        return
+    if os.getppid() != int(launcher):
+        print("unbroken: the launcher of this worker is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _has_entries(store: Any) -> bool:
