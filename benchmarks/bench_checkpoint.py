@@ -12,7 +12,6 @@ benchmarks/results/checkpoint.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.common import nbytes, save_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -41,16 +42,6 @@ def build():
 
     step()  # creates Adam's state
     return model, optimizer, step
-
-
-def nbytes(state) -> int:
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(nbytes(v) for v in state)
-    return 0
 
 
 def main() -> int:
@@ -110,9 +101,7 @@ def main() -> int:
     print(f"| extra step time while the write runs | {med['contention_s'] * 1000:.0f} ms over {med['steps_during_write']:.0f} steps of {healthy * 1000:.0f} ms | |")
     print(f"| interval `auto` picks (Young/Daly from stall + extra, MTBF {args.mtbf:.0f} s) | {med['auto_interval_s']:.1f} s | |")
     print(f"| overhead at that interval ((stall + extra) / interval) | {med['overhead_pct']:.2f} % | < 2 % |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save_results(args.out, result)
     return 0
 
 

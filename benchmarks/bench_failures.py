@@ -12,7 +12,6 @@ and is skipped otherwise. Prints a markdown table and writes benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -24,6 +23,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from benchmarks.common import save_results  # noqa: E402
 
 from tests.integration import netns  # noqa: E402
 from tests.integration.harness import wait_for  # noqa: E402
@@ -213,9 +214,7 @@ def main() -> int:
     print("| --- | --- | --- | --- |")
     for key, label in (("sigstop", "hung worker (SIGSTOP)"), ("node_kill", "whole node killed (launcher + worker)"), ("partition", "host partitioned (link down)")):
         print(f"| {label} | {fmt(result[key])} | heartbeat timeout {hb:g} s | ≤ {hb + 1:g} s |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save_results(args.out, result)
     return 0
 
 

@@ -23,6 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "train_bench.py")
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.common import save_results  # noqa: E402
+
 from tests.integration.harness import wait_for  # noqa: E402
 from unbroken.telemetry import read_events  # noqa: E402
 
@@ -166,9 +168,7 @@ def main() -> int:
     print(f"| healthy step, plain DDP (torchrun, Gloo) | {_fmt(h['ddp_step_s'])} | |")
     print(f"| healthy step, unbroken | {_fmt(h['unbroken_step_s'])} | |")
     print(f"| ratio unbroken / DDP, {args.trials} side-by-side pairs | {_fmt(h['ratio'], 'x')} | ≤ 1.03 x |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save_results(args.out, result)
     return 0
 
 

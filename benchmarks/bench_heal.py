@@ -36,6 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.common import nbytes, save_results  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -57,16 +59,6 @@ def build(params: int):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return model, optimizer
-
-
-def nbytes(state) -> int:
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(nbytes(v) for v in state)
-    return 0
 
 
 def _exit_with_parent() -> None:
@@ -251,9 +243,7 @@ def main() -> int:
     line("    of which `torch.save`", "former_save_s")
     line("    of which `torch.load`", "former_load_s")
     print(f"\n(a) is {result['heal_over_broadcast']:.2f}x (b) and {result['heal_over_fresh_broadcast']:.2f}x (b').")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save_results(args.out, result)
     return 0
 
 

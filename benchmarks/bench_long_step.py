@@ -17,7 +17,6 @@ Prints a markdown table and writes benchmarks/results/long_step.json. Leaves no 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -29,6 +28,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from benchmarks.common import save_results  # noqa: E402
 
 from tests.integration import harness  # noqa: E402
 
@@ -86,9 +87,7 @@ def main() -> int:
     print(f"| kill → survivors' generation formed | {row('left')} |")
     print(f"| rest of the step at the kill (what finishing it first would cost) | {row('rest_of_step')} |")
     print(f"| target: one micro-batch + one heartbeat interval | {args.micro + HEARTBEAT_INTERVAL:.2f} s |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"micro": args.micro, "trials": results}, f, indent=1)
+    save_results(args.out, {"micro": args.micro, "trials": results})
     return 0
 
 

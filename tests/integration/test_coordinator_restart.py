@@ -3,7 +3,6 @@ place fences the old generation instead of running a second job beside it, and a
 death takes its workers with it at once."""
 
 import glob
-import json
 import os
 import signal
 import subprocess

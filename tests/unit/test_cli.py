@@ -165,7 +165,9 @@ def test_a_non_numeric_timeout_is_an_argparse_error(capsys):
     assert "--heartbeat-timeout" in capsys.readouterr().err
 
 
-def test_valid_run_flags_become_the_launch_settings(monkeypatch, script):
+@pytest.fixture
+def launched(monkeypatch):
+    """The settings `unbroken run` would launch with (the launcher itself is not started)."""
     seen = {}
 
     class FakeLauncher:
@@ -176,6 +178,11 @@ def test_valid_run_flags_become_the_launch_settings(monkeypatch, script):
             return 0
 
     monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+    return seen
+
+
+def test_valid_run_flags_become_the_launch_settings(launched, script):
+    seen = launched
     code = main(
         ["run", "--nproc_per_node", "3", "--max-restarts", "1", "--node-name", "n7", "--tee", "2",
          "--chaos", "kill@step,rank=1", "--record-samples", script, "--epochs", "2"]
@@ -186,17 +193,8 @@ def test_valid_run_flags_become_the_launch_settings(monkeypatch, script):
     assert (s.script, s.script_args) == (script, ("--epochs", "2"))
 
 
-def test_the_restart_and_shutdown_flags_become_the_launch_settings(monkeypatch, script):
-    seen = {}
-
-    class FakeLauncher:
-        def __init__(self, settings):
-            seen["settings"] = settings
-
-        def run(self):
-            return 0
-
-    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+def test_the_restart_and_shutdown_flags_become_the_launch_settings(launched, script):
+    seen = launched
     assert main(
         ["run", "--max-restarts", "2", "--restart-window", "30", "--quarantine_cooloff", "45", "--restart-backoff", "0.5",
          "--max-restart-backoff", "4", "--shutdown-grace", "12", script]

@@ -1,0 +1,27 @@
+"""Small helpers the benchmarks share."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+
+def nbytes(state: Any) -> int:
+    """Bytes of every tensor in a nested state (dicts, lists, tuples)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(nbytes(v) for v in state)
+    return 0
+
+
+def save_results(path: str, result: dict[str, Any]) -> None:
+    """Write a benchmark's figures as JSON, making the folder if needed."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
