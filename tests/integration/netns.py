@@ -61,6 +61,14 @@ class Hosts:
     def restore(self, index: int) -> None:
         self._ip("link", "set", self.links[index], "up")
 
+    def cut_route(self, index: int, to: int) -> None:
+        """Host ``index`` can no longer reach host ``to`` (and sees no reply from it); both still
+        reach every other host."""
+        self._ip("route", "add", "blackhole", f"{self.addresses[to]}/32", ns=self.names[index])
+
+    def restore_route(self, index: int, to: int) -> None:
+        self._ip("route", "del", "blackhole", f"{self.addresses[to]}/32", ns=self.names[index])
+
     def popen(self, index: int, argv: list[str], **kwargs) -> subprocess.Popen:
         env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
         return subprocess.Popen(["ip", "netns", "exec", self.names[index], *argv], env=env, start_new_session=True, **kwargs)
