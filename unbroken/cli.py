@@ -202,12 +202,29 @@ def _coordinator(args: argparse.Namespace) -> int:
             start_grace=args.start_grace,
         ),
         EventLog.for_run_dir(args.run_dir, "coordinator"),
+        leadership=_leadership(args),
     )
     try:
         coordinator.serve_forever()
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _leadership(args: argparse.Namespace):
+    """A candidate's leadership when ``--etcd`` is given, else None (a coordinator on its own)."""
+    if not args.etcd:
+        return None
+    if not args.job_id:
+        raise ConfigError("--etcd needs --job-id: the name every candidate and node of this job shares")
+    from unbroken.replicated import EtcdGateway, Leadership, LeadershipSettings
+
+    try:
+        settings = LeadershipSettings(args.job_id, lease=args.leader_lease, margin=args.leader_lease / 4)
+    except ValueError as exc:
+        raise ConfigError(f"--job-id/--leader-lease: {exc}") from None
+    endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
+    return Leadership(EtcdGateway(endpoints, timeout=args.leader_lease / 2), settings, me="")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -263,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quorum-timeout", type=float, default=300.0, help="fail the job if below --min-members this long (default 300)")
     c.add_argument("--heartbeat-timeout", type=float, default=5.0, help="silence that declares a member dead (default 5)")
     c.add_argument("--run-dir", default=None, help="write the event log here")
+    c.add_argument("--etcd", default=None, metavar="HOST:PORT,...",
+                   help="run as one of several coordinator candidates, electing a leader in this etcd cluster (default: alone)")
+    c.add_argument("--job-id", default=None, help="with --etcd: the job's name, the same for every candidate")
+    c.add_argument("--leader-lease", type=float, default=2.0,
+                   help="with --etcd: seconds after which a dead leader is replaced (default %(default)s)")
     c.add_argument("--token", default=None, help="every request must carry this secret (default: $UNBROKEN_TOKEN; none if unset)")
     s = sub.add_parser("status", help="show a coordinator's generation and members")
     s.add_argument("address", help="HOST:PORT of the coordinator")

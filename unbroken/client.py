@@ -27,11 +27,23 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class _NotLeading(Exception):
+    """A coordinator candidate that does not lead answered 503."""
+
+
 class CoordinatorClient:
-    """JSON requests to one coordinator; retries connection failures up to ``timeout`` seconds."""
+    """JSON requests to the coordinator; retries connection failures up to ``timeout`` seconds.
+
+    ``address`` may list several coordinator candidates (``h1:p,h2:p,h3:p``): a request that finds
+    a candidate down, or not leading (503), goes to the next one, so workers fail over to a new
+    leader without anybody telling them."""
 
     def __init__(self, address: str, timeout: float = 30.0, token: str | None = None) -> None:
-        self.host, self.port = parse_address(address)
+        self.addresses = [parse_address(a) for a in address.split(",") if a.strip()]
+        if not self.addresses:
+            raise ValueError(f"coordinator address must look like HOST:PORT[,HOST:PORT...], got {address!r}")
+        self._current = 0
+        self.host, self.port = self.addresses[0]
         self.timeout = timeout
         self._headers = {"Content-Type": "application/json"}
         if token:
@@ -45,6 +57,9 @@ class CoordinatorClient:
 
     def _connection(self, read_timeout: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
+        if conn is not None and (conn.host, conn.port) != (self.host, self.port):
+            self._drop()  # another thread moved on to another candidate
+            conn = None
         if conn is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=read_timeout)
             self._local.conn = conn
@@ -52,6 +67,11 @@ class CoordinatorClient:
         if conn.sock is not None:
             conn.sock.settimeout(read_timeout)
         return conn
+
+    def _next_candidate(self, failed: tuple[str, int]) -> None:
+        if len(self.addresses) > 1 and (self.host, self.port) == failed:
+            self._current = (self._current + 1) % len(self.addresses)
+            self.host, self.port = self.addresses[self._current]
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -65,6 +85,7 @@ class CoordinatorClient:
         last: Exception | None = None
         payload = json.dumps(body or {}).encode()
         while True:
+            target = (self.host, self.port)
             try:
                 conn = self._connection(read_timeout)
                 sent = time.monotonic()
@@ -76,12 +97,15 @@ class CoordinatorClient:
                         f"coordinator at {self.host}:{self.port} refused {path}: missing or wrong token"
                         " (pass --token or set UNBROKEN_TOKEN to the job's token)"
                     )
+                if response.status == 503 and len(self.addresses) > 1:
+                    raise _NotLeading(data[:200].decode(errors="replace"))
                 if response.status != 200:
                     raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
                 self.last_ok = max(self.last_ok, sent)
                 return json.loads(data)
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, http.client.HTTPException, _NotLeading) as exc:
                 self._drop()
+                self._next_candidate(target)
                 last = exc
             if time.monotonic() >= deadline:
                 raise CoordinatorUnreachable(

@@ -80,9 +80,16 @@ class Coordinator:
         settings: CoordinatorSettings,
         membership: MembershipSettings,
         events: EventLog | None = None,
+        leadership: Any = None,
     ) -> None:
         self.settings = settings
+        self.membership_settings = membership
         self.state = Membership(membership)
+        self.leadership = leadership
+        """A :class:`~unbroken.replicated.Leadership` when this is one of several candidates whose
+        state is replicated in etcd; None for a coordinator on its own."""
+        self._durable = 0
+        """The newest generation known to be durable in etcd: members hear only of those."""
         self.events = events or EventLog(None, "coordinator")
         from unbroken.metrics import CoordinatorMetrics  # prometheus_client: only the coordinator needs it
 
@@ -128,7 +135,10 @@ class Coordinator:
     async def _start_http(self) -> None:
         from aiohttp import web
 
-        app = web.Application(middlewares=[self._authenticate] if self.settings.token else [])
+        middlewares = [self._authenticate] if self.settings.token else []
+        if self.leadership is not None:
+            middlewares.append(self._leading_only)
+        app = web.Application(middlewares=middlewares)
         app.add_routes(
             [
                 web.post("/v1/join", self._join),
@@ -156,8 +166,12 @@ class Coordinator:
                 ) from None
             raise ConfigError(f"cannot listen on {self.settings.host}:{self.settings.port}: {exc}") from None
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if self.leadership is not None and not self.leadership.me:
+            self.leadership.me = f"{self.settings.advertise_host or self.settings.host}:{self.port}"
         self._changed = asyncio.Event()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_deadlines())
+        if self.leadership is not None:
+            self._campaigner = asyncio.get_running_loop().create_task(self._lead())
         self.events.emit("coordinator_start", port=self.port, store_port=self.store_port, incarnation=self.incarnation)
         log.info("coordinator listening on %s:%s, store on port %s", self.settings.host, self.port, self.store_port)
 
@@ -192,6 +206,10 @@ class Coordinator:
         while not self._stopped.is_set():
             await asyncio.sleep(0.05)
         self._watcher.cancel()
+        if self.leadership is not None:
+            self._campaigner.cancel()
+            await self.leadership.resign()  # hand over at once instead of after the lease
+            await self.leadership.gateway.close()
 
     def serve_forever(self) -> None:
         """Run in the calling thread until :meth:`stop` (or Ctrl-C)."""
@@ -220,8 +238,12 @@ class Coordinator:
     def _bump(self) -> None:
         """Form a generation if the rules allow, then wake every long poll."""
         broken_at = self.state.broken_at
+        if self.leadership is not None and not self.leadership.is_leader():
+            return
         generation, decision = self.state.maybe_form(time.monotonic())
         if generation is not None:
+            if self.leadership is not None:
+                asyncio.get_running_loop().create_task(self._make_durable(generation))
             if broken_at is not None:
                 self.metrics.stalled(generation.formed_at - broken_at)
             log.info("generation %d formed: %s (%s)", generation.number, ", ".join(generation.members), decision.reason)
@@ -256,6 +278,81 @@ class Coordinator:
             if self.state.failed and not failed_before:
                 log.error("job failed: %s", self.state.failed)
                 self.events.emit("job_failed", reason=self.state.failed)
+
+    # -- leadership (replicated state in etcd) -----------------------------------------------------
+
+    async def _lead(self) -> None:
+        """Campaign until this candidate leads; then renew its lease every third of it, and step
+        down (serving nothing) the moment it cannot. Each time it starts to lead it starts afresh:
+        a new incarnation and an empty membership that its members' rejoins fill, with generation
+        numbers continuing from etcd."""
+        from unbroken.replicated import EtcdUnavailable
+
+        leadership = self.leadership
+        period = leadership.settings.lease / 3
+        while True:
+            try:
+                if not leadership.is_leader():
+                    if await leadership.campaign():
+                        await self._take_over()
+                elif not await leadership.renew():
+                    self._deposed("its etcd lease could not be renewed")
+            except EtcdUnavailable as exc:
+                if not leadership.is_leader():
+                    log.debug("campaign failed: %s", exc)
+            except Exception:  # the campaign must go on whatever one round does
+                log.exception("leadership round failed")
+            await asyncio.sleep(period)
+
+    async def _take_over(self) -> None:
+        stored = await self.leadership.read("generation") or {}
+        self.state = Membership(self.membership_settings)
+        self.state.min_generation = int(stored.get("number", 0))
+        self._durable = self.state.min_generation
+        self.incarnation = uuid.uuid4().hex[:12]
+        log.warning("now leading (incarnation %s); generations continue above %d", self.incarnation, self._durable)
+        self.events.emit("leader", incarnation=self.incarnation, generation=self._durable, address=self.leadership.me)
+        self._bump()
+
+    def _deposed(self, why: str) -> None:
+        log.error("no longer the leader: %s; serving nothing", why)
+        self.leadership.step_down()
+        self.events.emit("leader_lost", incarnation=self.incarnation, reason=why)
+        assert self._changed is not None
+        self._changed.set()  # long polls end (with 503) instead of answering from a stale state
+        self._changed = asyncio.Event()
+
+    async def _make_durable(self, generation: Any) -> None:
+        """Write a formed generation to etcd, guarded by the leader key, before any member hears
+        of it; a refused write deposes this leader."""
+        from unbroken.replicated import EtcdUnavailable, NotLeader
+
+        record = {"number": generation.number, "members": list(generation.members), "incarnation": self.incarnation}
+        try:
+            await self.leadership.guarded_put("generation", record)
+        except (NotLeader, EtcdUnavailable) as exc:
+            self._deposed(f"generation {generation.number} could not be made durable: {exc}")
+            return
+        self._durable = max(self._durable, generation.number)
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    @property
+    def _leading_only(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def leading_only(request, handler):
+            if not self.leadership.is_leader() and request.path != "/metrics":
+                return web.json_response({"error": f"{self.leadership.me} is a candidate that does not lead"}, status=503)
+            response = await handler(request)
+            if not self.leadership.is_leader() and request.path != "/metrics":
+                # it lost the lead while the request waited: its answer may already be stale
+                return web.json_response({"error": f"{self.leadership.me} stopped leading"}, status=503)
+            return response
+
+        return leading_only
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -308,7 +405,8 @@ class Coordinator:
         while True:
             current = self.state.current
             member = self.state.members[member_id]
-            if current is not None and current.number > after and member_id in current.members and member.state is MemberState.ACTIVE:
+            durable = self.leadership is None or (current is not None and current.number <= self._durable)
+            if current is not None and durable and current.number > after and member_id in current.members and member.state is MemberState.ACTIVE:
                 return self._reply(
                     {
                         "status": "formed",

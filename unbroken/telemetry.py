@@ -26,7 +26,7 @@ COMMON_FIELDS = ("t", "kind", "source")
 KINDS = (
     "coordinator_start", "worker_start", "worker_exit", "restart", "join", "generation", "failure", "verdict",
     "heal", "step", "replicas", "finished", "job_failed", "fault", "checkpoint", "checkpoint_interval", "resume",
-    "checkpoint_skipped", "refused",
+    "checkpoint_skipped", "refused", "leader", "leader_lost",
     "quarantine", "quarantine_end",
 )
 

@@ -2,6 +2,8 @@
 127.0.0.1 (issue 12): one leader, guarded writes, a deposed leader's write refused."""
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -92,3 +94,66 @@ def test_a_renewing_leader_keeps_leading_and_nobody_writes_without_a_quorum(clus
             await a.gateway.close()
 
     run(scenario())
+
+
+def _candidate(tmp_path, name, endpoints, *flags):
+    from tests.integration.test_hangs import start
+
+    proc = start(["coordinator", "--host", "127.0.0.1", "--port", "0", "--etcd", ",".join(endpoints), "--job-id", "job",
+                  "--leader-lease", "2", "--run-dir", str(tmp_path / name), *flags], str(tmp_path))
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+def test_the_leading_coordinator_killed_the_others_take_over_and_training_goes_on(tmp_path, reference):
+    from tests.integration import harness
+    from tests.integration.conftest import GLOBAL, STEPS
+    from tests.integration.test_hangs import finish, start
+
+    if REASON:
+        pytest.skip(REASON)
+    flags = ["--expected-members", "3", "--heartbeat-timeout", "2"]
+    run_dir = str(tmp_path / "node")
+    procs = []
+    with etcd.cluster(str(tmp_path)) as made:
+        try:
+            candidates = [_candidate(tmp_path, f"c{i}", made.endpoints, *flags) for i in range(3)]
+            procs += [p for p, _ in candidates]
+            runs = {name: harness.Run(0, "", "", str(tmp_path / name)) for name in ("c0", "c1", "c2")}
+            first = harness.wait_for(lambda: [n for n, r in runs.items() if r.events("leader")], 30, "a leader")
+            assert len(first) == 1
+            node = start(["run", "--run-dir", run_dir, "--coordinator", ",".join(a for _, a in candidates),
+                          "--nproc-per-node", "3", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "2", "--record-samples",
+                          harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.3", "--out", f"{run_dir}/final"], str(tmp_path))
+            procs.append(node)
+            node_run = harness.Run(0, "", "", run_dir)
+            harness.wait_for(lambda: [e for e in node_run.events("step") if e["step"] >= 8], 120, "training")
+            leader = candidates[int(first[0][1:])][0]
+            os.killpg(leader.pid, signal.SIGKILL)
+            leader.communicate()
+            killed = time.time()
+            took_over = harness.wait_for(
+                lambda: [(n, e) for n, r in runs.items() if n != first[0] for e in r.events("leader") if e["t"] > killed], 30, "a new leader")
+            new_generations = lambda: {e["generation"] for e in runs[took_over[0][0]].events("generation")}  # noqa: E731
+            # the first step committed in a generation the new leader formed
+            resumed = harness.wait_for(
+                lambda: [e for e in node_run.events("step") if e["generation"] in new_generations()], 60, "training under the new leader")[0]
+            out, err = finish(node, run_dir)
+            assert node.returncode == 0, out[-2000:] + err[-2000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.communicate()
+            harness.kill_leftovers(run_dir)
+    stall = resumed["t"] - killed
+    print(f"leader killed: new leader after {took_over[0][1]['t'] - killed:.2f} s, first commit under it after {stall:.2f} s")
+    assert stall < 10, stall
+    new_leader = runs[took_over[0][0]]
+    before = runs[first[0]].events("generation")
+    after = new_leader.events("generation")
+    assert after and min(e["generation"] for e in after) > max(e["generation"] for e in before)  # numbers continue from etcd
+    harness.check_exactly_once(run_dir, STEPS, GLOBAL)
+    for member, params in harness.final_params(f"{run_dir}/final").items():
+        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
