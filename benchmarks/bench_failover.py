@@ -5,9 +5,7 @@
 
 Each trial: a local 3-member etcd, three coordinator candidates (``unbroken coordinator --etcd``)
 and one node of three workers on this machine, heartbeat timeout 2 s, leader lease 2 s. First a
-whole node is lost (a worker and... here: one worker SIGKILLed together with nothing to report
-it, i.e. SIGSTOP, so that only the heartbeat timeout can tell), then the leading candidate is
-SIGKILLed. Measured from each fault to the first step committed without the victim (for the
+worker falls silent, then the leading candidate is SIGKILLed. Measured from each fault to the first step committed without the victim (for the
 coordinator: in a generation the new leader formed); also how long until a new leader serves.
 The worker "lost" is a SIGSTOP, not a SIGKILL: a killed worker is reported by its launcher at
 once, while a lost host (power, kernel panic) reports nothing, which SIGSTOP reproduces.
