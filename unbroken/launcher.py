@@ -222,9 +222,19 @@ class Launcher:
         self.address = settings.coordinator
         import secrets
 
-        # The embedded coordinator gets a token of its own unless one is given: only this
-        # launcher's workers (and whoever reads the run directory's token file) can speak to it.
-        self.token = settings.token or (secrets.token_urlsafe(24) if settings.coordinator is None else None)
+        # An embedded coordinator that only this machine can reach gets a token of its own unless
+        # one is given: only this launcher's workers (and whoever reads the run directory's token
+        # file) can speak to it. One that other nodes reach (SLURM, --coordinator-host 0.0.0.0)
+        # needs a token they share: the one given (UNBROKEN_TOKEN in the job's environment), or
+        # none, with a warning.
+        local = settings.coordinator_host in ("127.0.0.1", "localhost", "::1")
+        self.token = settings.token or (secrets.token_urlsafe(24) if settings.coordinator is None and local else None)
+        if settings.coordinator is None and not local and not settings.token:
+            print(
+                f"[unbroken] warning: the coordinator listens on {settings.coordinator_host} without a token: anyone who"
+                " reaches it can end the job; set UNBROKEN_TOKEN to the same secret on every node",
+                flush=True,
+            )
         self._exits: queue.Queue[tuple[Worker, subprocess.Popen, int]] = queue.Queue()
         self._stop_signal: int | None = None
         self._console_lock = threading.Lock()

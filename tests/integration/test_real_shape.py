@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from tests.integration import harness
 
@@ -153,3 +154,21 @@ def test_members_draw_different_random_numbers_after_being_healed(tmp_path):
     assert set(by_step) == {0, 1, 2, 3}
     for step, draw in by_step.items():
         assert len(draw) == 3 and len(set(draw.values())) == 3, (step, draw)
+
+
+def test_two_runs_with_dropout_the_same_seed_and_the_same_failures_end_with_the_same_model(tmp_path):
+    # failures that re-form the generation at fixed steps with the same members (no restart,
+    # whose timing would move the step at which the restarted member is taken back in)
+    finals = []
+    for attempt in ("first", "second"):
+        run_dir = str(tmp_path / attempt)
+        run = harness.unbroken(
+            run_dir, "--nproc-per-node", "3", "--chaos", "fail@step,rank=1,step=4;fail@allreduce,rank=2,step=9",
+            harness.EXACT, "--steps", "14", "--dropout", "0.3", "--out", f"{run_dir}/final",
+        )
+        assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert len(run.events("fault")) == 2
+        finals.append(harness.final_params(f"{run_dir}/final"))
+    assert finals[0].keys() == finals[1].keys() and len(finals[0]) == 3
+    for member, params in finals[0].items():
+        assert all(torch.equal(params[k], finals[1][member][k]) for k in params), member

@@ -29,6 +29,7 @@ parser.add_argument("--out", default=None)
 parser.add_argument("--raise-at-step", type=int, default=None, help="raise an error at this step on every member")
 parser.add_argument("--bad-dataset", action="store_true", help="pass a dataset without __len__")
 parser.add_argument("--batchnorm", action="store_true", help="add a BatchNorm layer (buffers that change in forward)")
+parser.add_argument("--dropout", type=float, default=0.0, help="add a Dropout layer (randomness in the forward pass)")
 parser.add_argument("--rng-log", default=None, help="append one torch.rand() draw per step attempt here (per-member randomness)")
 parser.add_argument("--misuse", choices=["skip", "plain"], default=None, help="skip a micro-batch, or call loss.backward() directly")
 parser.add_argument("--token-loss", action="store_true", help="a summed loss over a data-dependent mask, normalised by the global count")
@@ -55,6 +56,8 @@ if args.bad_dataset:
     dataset = Stream()
 
 layers = [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)]
+if args.dropout:
+    layers.insert(2, torch.nn.Dropout(args.dropout))
 if args.batchnorm:
     layers.insert(1, torch.nn.BatchNorm1d(16))
 model = torch.nn.Sequential(*layers)
