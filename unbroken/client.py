@@ -112,7 +112,8 @@ class CoordinatorClient:
                     f"coordinator at {self.host}:{self.port} did not answer {path} for {self.timeout:.0f} s ({last})"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            # with several candidates, a new leader is looked for often: the requests are cheap
+            delay = min(delay * 2, 0.5 if len(self.addresses) == 1 else 0.1)
 
     def post(self, path: str, read_timeout: float = 10.0, **body: Any) -> dict[str, Any]:
         return self.request("POST", path, body, read_timeout)

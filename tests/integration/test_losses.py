@@ -1,6 +1,9 @@
 """Losses and loops at any member count (issue 11): a token-normalised loss gives the same model
 with 1, 3 and 4 members; a loop that breaks the rules is refused on the first step."""
 
+import os
+import re
+
 import pytest
 
 from tests.integration import harness
@@ -21,9 +24,15 @@ def test_a_loss_normalised_by_a_global_token_count_gives_the_same_model_at_any_m
             assert harness.max_relative_difference(params, single) < 1e-8, (members, member)
 
 
-@pytest.mark.parametrize("misuse, message", [("skip", "step.backward was called 2 time(s) for 3"), ("plain", "outside step.backward")])
+@pytest.mark.parametrize("misuse, message", [("skip", r"step\.backward was called (\d+) time\(s\) for (\d+)"), ("plain", "outside step.backward")])
 def test_a_loop_that_breaks_the_rules_is_refused_on_the_first_step_on_every_member(tmp_path, misuse, message):
     run = harness.unbroken(str(tmp_path), "--nproc-per-node", "2", harness.EXACT, "--steps", "5", "--misuse", misuse, timeout=120)
     assert run.code == 1
-    assert "LoopMisuse" in run.stderr and message in run.stderr and "step 0:" in run.stderr
+    logs = "".join(open(os.path.join(tmp_path, "workers", f"w{i}.log")).read() for i in range(2))
+    assert "LoopMisuse" in logs and "step 0:" in logs
+    found = re.search(message, logs)
+    assert found, logs[-2000:]
+    if misuse == "skip":  # one micro-batch left out, whatever the member count when it failed
+        assert int(found.group(1)) == int(found.group(2)) - 1
+    assert "not retrying a bug in the script" in run.stderr
     assert not run.events("step")  # nothing was committed

@@ -157,13 +157,14 @@ def test_members_draw_different_random_numbers_after_being_healed(tmp_path):
 
 
 def test_two_runs_with_dropout_the_same_seed_and_the_same_failures_end_with_the_same_model(tmp_path):
-    # failures that re-form the generation at fixed steps with the same members (no restart,
-    # whose timing would move the step at which the restarted member is taken back in)
+    # failures that re-form the generation at fixed steps with the same members: a member fails
+    # before it sends anything, so no peer can commit the step (no restart either, whose timing
+    # would move the step at which the restarted member is taken back in)
     finals = []
     for attempt in ("first", "second"):
         run_dir = str(tmp_path / attempt)
         run = harness.unbroken(
-            run_dir, "--nproc-per-node", "3", "--chaos", "fail@step,rank=1,step=4;fail@allreduce,rank=2,step=9",
+            run_dir, "--nproc-per-node", "3", "--chaos", "fail@step,rank=1,step=4;fail@step,rank=2,step=9",
             harness.EXACT, "--steps", "14", "--dropout", "0.3", "--out", f"{run_dir}/final",
         )
         assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
