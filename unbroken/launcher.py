@@ -308,10 +308,12 @@ class Launcher:
         host = "127.0.0.1" if self.settings.coordinator_host == "0.0.0.0" else self.settings.coordinator_host
         self.address = f"{host}:{self.coordinator.port}"
         # for `unbroken status` and metrics scrapers: readable by this user only
+        # (written whole, then renamed into place: a reader never sees half of it)
         path = os.path.join(self.run_dir, "coordinator.json")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"address": self.address, "token": self.token}, f)
+        os.rename(path + ".tmp", path)
 
     def _supervise(self) -> int:
         while True:

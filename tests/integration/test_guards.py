@@ -50,7 +50,9 @@ def test_a_node_that_does_not_match_the_job_is_refused_and_stopped_while_the_oth
     try:
         started = harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("coordinator_start"), 60, "node a's coordinator")
         address = f"127.0.0.1:{started[0]['port']}"
-        with open(os.path.join(run_a, "coordinator.json")) as f:
+        token_file = os.path.join(run_a, "coordinator.json")
+        harness.wait_for(lambda: os.path.exists(token_file), 30, "node a's token file")
+        with open(token_file) as f:
             token = json.load(f)["token"]
         harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("step"), 90, "node a to train")
         b = _start(["run", "--run-dir", run_b, "--node-name", "b", "--coordinator", address, "--nproc-per-node", "1",

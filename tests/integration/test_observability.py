@@ -73,6 +73,7 @@ def observed(tmp_path_factory):
         port = start[0]["port"]
         # the embedded coordinator's token, readable by this user only
         token_file = os.path.join(run_dir, "coordinator.json")
+        harness.wait_for(lambda: os.path.exists(token_file), 30, "the coordinator's token file")  # written once it listens
         assert oct(os.stat(token_file).st_mode & 0o777) == "0o600"
         with open(token_file) as f:
             token = json.load(f)["token"]
