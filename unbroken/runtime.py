@@ -602,12 +602,12 @@ class Job:
             return f"no reply from the coordinator for {silent:.1f} s (lease {self.settings.lease:.1f} s)"
         if view.get("state") == "dead":
             return "the coordinator declared this member dead"
-        if self._incarnation is not None:
-            incarnation = view.get("incarnation")
-            if incarnation is not None and incarnation != self._incarnation:
-                return f"the coordinator restarted (incarnation {incarnation}; generation {number} was formed by {self._incarnation})"
-            if view.get("state") == "unknown":
-                return "the coordinator does not know this member (it restarted)"
+        # A restarted coordinator (or a new leader) has another incarnation and does not know
+        # this member. An "unknown" from the incarnation that formed this generation only means a
+        # heartbeat sent before this member joined was answered late: not a reason to leave.
+        incarnation = view.get("incarnation")
+        if self._incarnation is not None and incarnation is not None and incarnation != self._incarnation:
+            return f"the coordinator restarted (incarnation {incarnation}; generation {number} was formed by {self._incarnation})"
         current = view.get("generation", 0)
         if current > number:
             return f"generation {current} has formed"
