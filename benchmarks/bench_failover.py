@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import save_results  # noqa: E402
+from benchmarks.common import save_results, seconds  # noqa: E402
 from tests.integration import etcd, harness  # noqa: E402
 
 HEARTBEAT_TIMEOUT = 2.0
@@ -98,8 +97,7 @@ def main() -> int:
         print(f"trial {i + 1}: {results[-1]}", flush=True)
 
     def fmt(key: str) -> str:
-        values = [r[key] for r in results]
-        return f"{statistics.median(values):.2f} s ({min(values):.2f} – {max(values):.2f})"
+        return seconds([r[key] for r in results])
 
     print(f"\n3 workers, heartbeat timeout {HEARTBEAT_TIMEOUT:g} s, leader lease 2 s, etcd election timeout 500 ms; median (min – max) of {args.trials}\n")
     print("| fault | until the first commit without it |")

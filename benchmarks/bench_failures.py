@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import save_results  # noqa: E402
+from benchmarks.common import save_results, seconds  # noqa: E402
 
 from tests.integration import netns  # noqa: E402
 from tests.integration.harness import wait_for  # noqa: E402
@@ -191,7 +191,7 @@ def partition(trials: int, hb: float) -> list[float] | str:
 def fmt(values) -> str:
     if isinstance(values, str):
         return values
-    return f"{statistics.median(values):.2f} s ({min(values):.2f} – {max(values):.2f})"
+    return seconds(values)
 
 
 def main() -> int:

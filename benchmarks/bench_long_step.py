@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import save_results  # noqa: E402
+from benchmarks.common import save_results, seconds  # noqa: E402
 
 from tests.integration import harness  # noqa: E402
 
@@ -78,8 +77,7 @@ def main() -> int:
         print(f"trial {i + 1}: survivors left {results[-1]['left']:.2f} s after the kill", flush=True)
 
     def row(key: str) -> str:
-        values = [r[key] for r in results]
-        return f"{statistics.median(values):.2f} s ({min(values):.2f} – {max(values):.2f})"
+        return seconds([r[key] for r in results])
 
     print(f"\nstep {8 * args.micro:.0f} s (8 micro-batches of {args.micro} s), 3 workers, one SIGKILLed mid-step; median (min – max) of {args.trials}\n")
     print("| measure | seconds |")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from typing import Any
 
 import torch
@@ -18,6 +19,11 @@ def nbytes(state: Any) -> int:
     if isinstance(state, (list, tuple)):
         return sum(nbytes(v) for v in state)
     return 0
+
+
+def seconds(values: list[float]) -> str:
+    """``median s (min – max)`` of a benchmark's trials."""
+    return f"{statistics.median(values):.2f} s ({min(values):.2f} – {max(values):.2f})"
 
 
 def save_results(path: str, result: dict[str, Any]) -> None:

@@ -250,6 +250,10 @@ class Coordinator:
             self.events.emit(
                 "generation", generation=generation.number, members=list(generation.members), reason=decision.reason
             )
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Wake every long poll, so that each recomputes its answer."""
         assert self._changed is not None
         self._changed.set()
         self._changed = asyncio.Event()
@@ -318,9 +322,7 @@ class Coordinator:
         log.error("no longer the leader: %s; serving nothing", why)
         self.leadership.step_down()
         self.events.emit("leader_lost", incarnation=self.incarnation, reason=why)
-        assert self._changed is not None
-        self._changed.set()  # long polls end (with 503) instead of answering from a stale state
-        self._changed = asyncio.Event()
+        self._wake_all()  # long polls end (with 503) instead of answering from a stale state
 
     async def _make_durable(self, generation: Any) -> None:
         """Write a formed generation to etcd, guarded by the leader key, before any member hears
@@ -334,9 +336,7 @@ class Coordinator:
             self._deposed(f"generation {generation.number} could not be made durable: {exc}")
             return
         self._durable = max(self._durable, generation.number)
-        assert self._changed is not None
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._wake_all()
 
     @property
     def _leading_only(self):
@@ -505,11 +505,11 @@ class Coordinator:
         first member's preflight, kept while any member lives; it names each difference."""
         if not isinstance(preflight, dict):
             return None
+        mine = {str(k): str(v) for k, v in preflight.items()}
         if self._reference is None or self.state.live_count() == 0:
-            self._reference = {str(k): str(v) for k, v in preflight.items()}
+            self._reference = mine
             return None
         reference = self._reference
-        mine = {str(k): str(v) for k, v in preflight.items()}
         differences = [
             f"{key}: {mine.get(key, 'missing')} here, {reference.get(key, 'missing')} in the job"
             for key in sorted(set(reference) | set(mine))

@@ -37,8 +37,8 @@ import torch
 from unbroken import healing
 from unbroken.chaos import Chaos
 from unbroken.data_plan import DataPlan
-from unbroken.randomness import seed_member
 from unbroken.errors import EXIT_MISMATCH, ConfigError, GenerationFailed, LoopMisuse, ReplicaDivergence, Unauthorized, UnbrokenError
+from unbroken.randomness import seed_member
 from unbroken.telemetry import RUN_DIR_ENV, EventLog
 
 if TYPE_CHECKING:
@@ -633,9 +633,7 @@ class Job:
                     preflight=self._preflight(),
                 )
             except Unauthorized as exc:
-                print(f"unbroken: error: {self.member_id}: {exc}", file=sys.stderr, flush=True)
-                self._stop(finished=False)
-                raise SystemExit(EXIT_MISMATCH) from None
+                self._refused(f"unbroken: error: {self.member_id}: {exc}", EXIT_MISMATCH)
             if reply["status"] == "finished":
                 if self.fresh or self.total is None or self.next_step < self.total:
                     # A member that is behind (restarted, late, or cut off until the end): the job
@@ -649,18 +647,13 @@ class Job:
             if reply["status"] == "failed":
                 raise UnbrokenError(f"the job cannot go on: {reply.get('reason')}")
             if reply["status"] == "mismatch":
-                print(
+                self._refused(
                     f"unbroken: error: {self.member_id} does not match the job, so the coordinator refused it:"
                     f" {reply.get('reason')}. Run every node with the same script, settings and versions.",
-                    file=sys.stderr,
-                    flush=True,
+                    EXIT_MISMATCH,
                 )
-                self._stop(finished=False)
-                raise SystemExit(EXIT_MISMATCH)
             if reply["status"] == "refused":
-                print(f"unbroken: {self.member_id}: the coordinator refuses this member: {reply.get('reason')}", file=sys.stderr, flush=True)
-                self._stop(finished=False)
-                raise SystemExit(1)
+                self._refused(f"unbroken: {self.member_id}: the coordinator refuses this member: {reply.get('reason')}", 1)
             if reply["status"] != "formed":
                 if time.monotonic() > deadline:
                     raise UnbrokenError(
@@ -693,6 +686,13 @@ class Job:
             self.member_index, self.member_count = group.rank, group.size
             log.info("%s: generation %d, member %d of %d, at step %d", self.member_id, number, group.rank, group.size, self.next_step)
             return True
+
+    def _refused(self, message: str, code: int) -> None:
+        """End this worker because the coordinator will not take it (wrong token, a mismatch, a
+        quarantined slot): say why, leave, and exit with ``code`` for the launcher to act on."""
+        print(message, file=sys.stderr, flush=True)
+        self._stop(finished=False)
+        raise SystemExit(code)
 
     def _sync_buffers(self) -> None:
         """Give every member the buffers (BatchNorm statistics, ...) of the generation's rank 0,
@@ -912,16 +912,14 @@ class Job:
         meta = {"generation": self.generation, "members": list(self._group.members) if self._group else [self.member_id]}
         with self._busy("checkpoint snapshot"):
             stall = self._saver.save(self.next_step, self._state(), meta)
+        if self._schedule is not None:
+            self._schedule.began(time.monotonic())  # a skipped save waits for the next interval too
         if stall is None:
             message = f"checkpoint of step {self.next_step} skipped: the write of step {self._saver.writing} is still running"
             log.warning("%s", message)
             print(f"unbroken: {message}", flush=True)
             self._events.emit("checkpoint_skipped", step=self.next_step, writing=self._saver.writing)
-            if self._schedule is not None:
-                self._schedule.began(time.monotonic())
-            return
-        if self._schedule is not None:
-            self._schedule.began(time.monotonic())
+        elif self._schedule is not None:
             self._save_cost, self._save_cost_pending = stall, True
 
     def _final_checkpoint(self) -> None:

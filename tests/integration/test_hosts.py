@@ -26,6 +26,24 @@ def events(dirs, kind):
 
 
 
+def _coordinator(hosts, coord_dir):
+    """A standalone coordinator on host 0, port 29400 (the namespace is the test's own)."""
+    return hosts.popen(0, [sys.executable, "-m", "unbroken", "coordinator", "--host", hosts.addresses[0],
+                           "--port", "29400", "--store-port", "29401", "--advertise-host", hosts.addresses[0],
+                           "--expected-members", "3", "--heartbeat-timeout", "2", "--progress-timeout", "4",
+                           "--run-dir", coord_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop_all(procs, dirs):
+    """End what the test started, whatever happened: its processes, then any worker left."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for d in dirs:
+        harness.kill_leftovers(d)
+
+
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, reference):
     base = str(tmp_path)
@@ -52,10 +70,7 @@ def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, 
             return events([coord_dir], "generation")
 
         try:
-            procs.append(hosts.popen(0, [sys.executable, "-m", "unbroken", "coordinator", "--host", hosts.addresses[0],
-                                         "--port", "29400", "--store-port", "29401", "--advertise-host", hosts.addresses[0],
-                                         "--expected-members", "3", "--heartbeat-timeout", "2", "--progress-timeout", "4",
-                                         "--run-dir", coord_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(_coordinator(hosts, coord_dir))
             h0, h1, h2 = node(0, "h0"), node(1, "h1"), node(2, "h2")
             harness.wait_for(lambda: [g for g in generations() if len(g["members"]) == 3], 120, "three hosts in a generation")
             harness.wait_for(lambda: len(events(dirs, "step")) >= 4, 60, "training to start")
@@ -83,12 +98,7 @@ def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, 
                 out, err = proc.communicate(timeout=180)
                 assert proc.returncode == 0, err[-3000:]
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            for d in dirs:
-                harness.kill_leftovers(d)
+            _stop_all(procs, dirs)
 
     assert any("h1-new.w0.r0" in e["receivers"] for e in events(dirs, "heal"))
     harness.check_exactly_once(dirs, STEPS, GLOBAL)
@@ -112,10 +122,7 @@ def test_a_host_cut_off_from_the_coordinator_but_not_from_its_peers_commits_noth
     with netns.hosts(4) as hosts:
         address = f"{hosts.addresses[0]}:29400"
         try:
-            procs.append(hosts.popen(0, [sys.executable, "-m", "unbroken", "coordinator", "--host", hosts.addresses[0],
-                                         "--port", "29400", "--store-port", "29401", "--advertise-host", hosts.addresses[0],
-                                         "--expected-members", "3", "--heartbeat-timeout", "2", "--progress-timeout", "4",
-                                         "--run-dir", coord_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(_coordinator(hosts, coord_dir))
             nodes = [hosts.popen(
                 i + 1,
                 [sys.executable, "-m", "unbroken", "run", "--coordinator", address, "--node-name", name,
@@ -139,12 +146,7 @@ def test_a_host_cut_off_from_the_coordinator_but_not_from_its_peers_commits_noth
                 out, err = proc.communicate(timeout=180)
                 assert proc.returncode == 0, err[-3000:]
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            for d in dirs:
-                harness.kill_leftovers(d)
+            _stop_all(procs, dirs)
 
     assert verdict["detected_by"] == "heartbeat"
     dead_in = max(g["generation"] for g in events([coord_dir], "generation") if "h3.w0.r0" in g["members"] and g["t"] < verdict["t"])
