@@ -1,0 +1,169 @@
+"""The runtime's side of durable checkpoints: when this member saves, resumes and waits for a save.
+
+:mod:`unbroken.checkpoint` holds the store, the background saver and the schedule's arithmetic;
+this module drives them from the training loop. A member that starts a job (nobody holds live
+state) resumes from the newest checkpoint that verifies. After each commit, the generation's
+rank 0 snapshots the state when the schedule says a save is due and writes it in the background,
+never waiting for a write still running (a slow store must not hold up a collective), and
+accounts what the save cost training so that the schedule can adapt its interval. At the end a
+final checkpoint is written and awaited, by the single process or by rank 0 while the others
+wait on a store flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from unbroken.errors import GenerationFailed
+
+if TYPE_CHECKING:
+    from unbroken.runtime import Job
+
+log = logging.getLogger("unbroken.runtime")  # moved out of the runtime; its messages keep their logger
+
+
+class Checkpointing:
+    """One job's checkpoint directory, saver and schedule (all None without a directory)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.store: Any = None  # CheckpointStore, opened when steps() starts
+        self.saver: Any = None
+        self.schedule: Any = None
+        self.last_step_seconds: float | None = None
+        """How long the last committed step took (set by the job at each commit)."""
+        self._step_ema: float | None = None
+        self._save_cost = 0.0
+        self._save_cost_pending = False
+
+    def open(self, resume: bool) -> None:
+        """Open the checkpoint directory; a member that starts a job (nobody holds live state)
+        resumes from the newest valid checkpoint there."""
+        job = self.job
+        if not job.checkpoint.directory or self.store is not None:
+            return
+        from unbroken.checkpoint import CheckpointStore, Saver, Schedule
+
+        self.store = CheckpointStore(job.checkpoint.directory)
+        self.saver = Saver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s))
+        if job.checkpoint.every is not None:
+            self.schedule = Schedule(job.checkpoint.every, job.checkpoint.mtbf, time.monotonic())
+        if resume:
+            self.resume()
+        else:
+            job._generation_floor = max(job._generation_floor, self.store.newest_generation())
+
+    def resume(self) -> None:
+        """Load the newest checkpoint that verifies, if there is one."""
+        job = self.job
+        found = self.store.load_latest()
+        if found is None:
+            if self.store.steps() or _has_entries(self.store):
+                print(f"unbroken: warning: no valid checkpoint in {job.checkpoint.directory}; starting from step 0", flush=True)
+            return
+        state, manifest, location = found
+        job._load(state)
+        job.fresh = False
+        # New generations are numbered above the one that wrote it (it may come from an earlier
+        # coordinator), so that lineages never reuse a number.
+        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
+        print(f"unbroken: resumed from step {job.next_step} of {location}", flush=True)
+        job._events.emit("resume", step=job.next_step, location=location)
+
+    def maybe_save(self) -> None:
+        """After a commit: save if the schedule says so (rank 0 only)."""
+        job = self.job
+        if self.schedule is None or job.member_index != 0:
+            return
+        now = time.monotonic()
+        self._account_save_cost(now)
+        if job.next_step < (job.total or 0) and self.schedule.due(job.next_step, now):
+            self.save()
+
+    def _account_save_cost(self, now: float) -> None:
+        """What a save costs training: its stall plus how much longer the steps took while it was
+        being written (the writer competes for cores and memory bandwidth)."""
+        seconds = self.last_step_seconds
+        if seconds is None:
+            return
+        if self.saver.busy():
+            if self._step_ema is not None:
+                self._save_cost += max(0.0, seconds - self._step_ema)
+            return
+        if self._save_cost_pending:
+            self._save_cost_pending = False
+            message = self.schedule.cost(self._save_cost, now)
+            if message:
+                log.info("%s", message)
+                print(f"unbroken: {message}", flush=True)
+                self.job._events.emit("checkpoint_interval", seconds=self.schedule.interval, cost=self._save_cost)
+            return  # the step that saw the write finish is not a healthy sample
+        self._step_ema = seconds if self._step_ema is None else 0.9 * self._step_ema + 0.1 * seconds
+
+    def save(self) -> None:
+        """Snapshot the state and write it in the background; skipped (never waited for) while
+        the previous write is still running, so that a slow store never holds up a collective."""
+        job = self.job
+        group = job._joiner.group
+        meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id]}
+        with job._joiner.busy("checkpoint snapshot"):
+            stall = self.saver.save(job.next_step, job._state(), meta)
+        if self.schedule is not None:
+            self.schedule.began(time.monotonic())  # a skipped save waits for the next interval too
+        if stall is None:
+            message = f"checkpoint of step {job.next_step} skipped: the write of step {self.saver.writing} is still running"
+            log.warning("%s", message)
+            print(f"unbroken: {message}", flush=True)
+            job._events.emit("checkpoint_skipped", step=job.next_step, writing=self.saver.writing)
+        elif self.schedule is not None:
+            self._save_cost, self._save_cost_pending = stall, True
+
+    def final(self) -> None:
+        """A single process saves the final state and waits until it is durable."""
+        if self.saver is None:
+            return
+        self.saver.wait()
+        if self.schedule is not None:
+            self.save()
+        self.saver.wait()
+
+    def final_together(self) -> bool:
+        """After the final replica check: rank 0 writes the final checkpoint and waits until it is
+        durable, marked busy (never taken for stuck, however slow the store); the others wait for
+        it on a store flag, which tolerates any write time. Every member also lets its own
+        background write finish. False if the generation broke meanwhile (rejoin and redo)."""
+        job = self.job
+        if self.saver is None:
+            return True
+        try:
+            with job._joiner.busy("checkpoint write"):
+                self.saver.wait()
+                if self.schedule is not None and job.member_index == 0:
+                    self.save()
+                    self.saver.wait()
+            if self.schedule is not None:
+                if job.member_index == 0:
+                    job._joiner.group.set_flag("final-checkpoint")
+                else:
+                    job._joiner.group.wait_flag("final-checkpoint", "waiting for the final checkpoint")
+        except GenerationFailed as exc:
+            job._abandon(str(exc))
+            return False
+        return True
+
+    def failure(self) -> None:
+        """The generation failed: the schedule counts it (the automatic interval follows the run's MTBF)."""
+        if self.schedule is not None:
+            self.schedule.failure()
+
+    def _done(self, info: dict[str, Any]) -> None:
+        self.job._events.emit("checkpoint", **info)
+
+
+def _has_entries(store: Any) -> bool:
+    try:
+        return bool(store.fs.ls(store.root, detail=False))
+    except FileNotFoundError:
+        return False

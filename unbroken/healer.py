@@ -1,0 +1,82 @@
+"""A member's side of healing, right after its generation's group is built (DESIGN step 2).
+
+The members exchange (next step, fresh, lineage digest); :func:`unbroken.healing.plan` picks the
+source and the receivers, and the source sends its whole training state to each receiver over
+the new group (:mod:`unbroken.healing` holds the wire format). If nobody holds live state (the
+start of a job, or every holder died), the group's rank 0 first reads the newest checkpoint.
+Every member then reseeds its RNGs for itself, since healing copied the source's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unbroken import healing
+from unbroken.randomness import seed_member
+
+if TYPE_CHECKING:
+    from unbroken.runtime import Job
+
+log = logging.getLogger("unbroken.runtime")  # moved out of the runtime; its messages keep their logger
+
+
+class Healer:
+    """Brings the members of a new generation to one state: the job's, or a peer's."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def heal(self, group: Any) -> None:
+        """Heal ``group``'s members; raises :class:`GenerationFailed` if the group breaks meanwhile."""
+        job = self.job
+        statuses = self._exchange_status(group)
+        if job._checkpointing.store is not None and all(fresh for _, fresh, _ in statuses):
+            # Nobody in this generation holds live state (the start of a job, or every holder
+            # died): its rank 0 reads the newest checkpoint and heals the others from it. The
+            # others wait on a store flag, which no collective timeout cuts short.
+            if group.rank == 0:
+                with job._joiner.busy("reading a checkpoint"):
+                    job._checkpointing.resume()
+                group.set_flag("resume-read")
+            else:
+                group.wait_flag("resume-read", "waiting for a checkpoint to be read")
+            statuses = self._exchange_status(group)
+        plan = healing.plan(statuses)
+        if plan.receivers:
+            self._transfer(group, plan)
+        # Healing copied one member's RNG states to the others: give every member its own.
+        seed_member(job.plan.seed, job.next_step, group.rank)
+
+    def _exchange_status(self, group: Any) -> list[tuple[int, bool, int]]:
+        job = self.job
+        row = torch.tensor([job.next_step, int(job.fresh), job._digest], dtype=torch.int64)
+        table = group.allgather_rows(row, "state exchange")
+        return [(int(step), bool(fresh), int(digest)) for step, fresh, digest in table.tolist()]
+
+    def _transfer(self, group: Any, plan: Any) -> None:
+        job = self.job
+        started = time.monotonic()
+        if group.rank == plan.source:
+            state = job._state()
+            sent = 0
+            for receiver in plan.receivers:
+                sent += healing.send_state(group, state, receiver, lambda: job._chaos.point("heal", job.next_step), job._tick)
+            job.fresh = False
+            job._events.emit(
+                "heal",
+                generation=group.number,
+                sender=job.member_id,
+                receivers=[group.members[r] for r in plan.receivers],
+                step=plan.step,
+                bytes=sent,
+                seconds=time.monotonic() - started,
+            )
+        elif group.rank in plan.receivers:
+            state, received = healing.recv_state(group, plan.source, job._tick)
+            job._load(state)
+            job.fresh = False
+            log.info("%s: healed to step %d from %s (%d bytes)", job.member_id, job.next_step, group.members[plan.source], received)

@@ -1,0 +1,310 @@
+"""Joining: this member's side of the coordinator, and the generation's group it is in.
+
+A member under ``unbroken run`` heartbeats the coordinator from a thread of its own
+(:meth:`Joiner.start`), asks to join at a step boundary whenever it holds no group
+(:meth:`Joiner.join`: the coordinator answers once a generation has formed, or says why it will
+not take this member), builds the new generation's process group over the coordinator's store,
+has it healed, and keeps it until the generation breaks (:meth:`Joiner.abandon`), asks to be
+re-formed (:meth:`Joiner.close_group`) or the job ends (:meth:`Joiner.leave`). Between those,
+:meth:`Joiner.abandon_reason` says whether the generation still holds: no reply within the lease,
+a verdict, a newer generation or a restarted coordinator each end it (DESIGN step 1, "No stale
+writes").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from unbroken.errors import EXIT_MISMATCH, GenerationFailed, Unauthorized, UnbrokenError
+from unbroken.lifetime import ExitGuard, die_with_launcher
+
+if TYPE_CHECKING:
+    from unbroken.runtime import Job
+
+log = logging.getLogger("unbroken.runtime")  # moved out of the runtime; its messages keep their logger
+
+
+class Joiner:
+    """One member's coordinator client, heartbeat and current generation group.
+
+    It writes the job's ``generation``, ``member_index`` and ``member_count`` when a generation
+    forms; the job reads the group from :attr:`group` (None between generations).
+    """
+
+    def __init__(self, job: Job) -> None:
+        from unbroken.group import Graveyard
+
+        self.job = job
+        self.group: Any = None
+        """The current generation's :class:`~unbroken.group.GenerationGroup`, or None."""
+        self.graveyard = Graveyard()
+        """Abandoned groups, released once nothing can be pending on them."""
+        self.wake = threading.Event()
+        self.client: Any = None
+        self.heartbeat: Any = None
+        self._store: Any = None
+        self._store_address: tuple[str, int] | None = None
+        self._incarnation: str | None = None  # of the coordinator that formed the current generation
+        self._preflight_cache: dict[str, Any] | None = None
+
+    # -- the coordinator -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Reach the coordinator and start heartbeating it (before the first join)."""
+        from unbroken.client import CoordinatorClient, Heartbeat
+
+        job, settings = self.job, self.job.settings
+        assert settings.coordinator is not None
+        die_with_launcher()
+        self.client = CoordinatorClient(settings.coordinator, settings.coordinator_timeout, settings.token)
+        self.heartbeat = Heartbeat(self.client, job.member_id, settings.heartbeat_interval, self._on_view, max_age=settings.lease)
+        self.heartbeat.progress = job._progress
+        self.heartbeat.start()
+        job._samples.open()
+        ExitGuard.install(job)
+
+    def _on_view(self, view: dict[str, Any]) -> None:
+        if view.get("fence"):
+            # Declared dead for making no progress (stuck in user code or a device): this process
+            # cannot be trusted to reach a step boundary, so it ends itself and its launcher
+            # starts a fresh one, which rejoins and is healed.
+            print(f"unbroken: {self.job.member_id}: {view.get('reason')}; ending this process", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.wake.set()
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """Mark deliberate work that makes no step progress (never taken for stuck); nests."""
+        if self.heartbeat is None:
+            yield
+            return
+        previous = self.heartbeat.busy
+        self.heartbeat.busy = previous or what
+        try:
+            yield
+        finally:
+            self.heartbeat.busy = previous
+
+    def _blocked(self, what: str | None) -> None:
+        if what is not None:
+            self.job._ticks += 1  # entering a collective is progress
+        if self.heartbeat is not None:
+            self.heartbeat.blocked_on = what
+
+    def preflight(self) -> dict[str, Any]:
+        """What every member must agree on, or the collectives mismatch (a livelock, or the wrong
+        parameters summed together): sent with every join, compared by the coordinator."""
+        if self._preflight_cache is None:
+            import unbroken
+
+            job = self.job
+            script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+            try:
+                with open(script, "rb") as f:
+                    script_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+            except OSError:
+                script_hash = "-"
+            layout = [] if job._reducer is None else [
+                f"{b.flat.dtype}x{b.numel}/{len(b.params)}" for b in job._reducer.buckets
+            ]
+            self._preflight_cache = {
+                "gradient buckets": hashlib.sha256(";".join(layout).encode()).hexdigest()[:16] + f" ({len(layout)} buckets)",
+                "bucket_cap_mb": str(job.settings.bucket_cap_mb),
+                "verify_every": str(job.settings.verify_every),
+                "total steps": str(job.total),
+                "data plan": (
+                    f"dataset {job.plan.dataset_len}, global batch {job.plan.global_batch_size},"
+                    f" micro-batch {job.plan.micro_batch_size}, seed {job.plan.seed}"
+                ),
+                "torch": torch.__version__,
+                "unbroken": unbroken.__version__,
+                "script": f"{os.path.basename(script)} sha256 {script_hash}",
+            }
+        return self._preflight_cache
+
+    # -- whether the generation holds ----------------------------------------------------------
+
+    def reconfigure_wanted(self) -> bool:
+        view = self.heartbeat.view if self.heartbeat else {}
+        return bool(view.get("reconfigure")) and view.get("generation") == self.job.generation
+
+    def abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
+        """Why generation ``number`` no longer holds for this member, or None if it does."""
+        view = self.heartbeat.view if self.heartbeat else {}
+        lease = self.job.settings.lease
+        silent = time.monotonic() - self.client.last_ok if self.client else 0.0
+        if silent > lease:
+            return f"no reply from the coordinator for {silent:.1f} s (lease {lease:.1f} s)"
+        if view.get("state") == "dead":
+            return "the coordinator declared this member dead"
+        # A restarted coordinator (or a new leader) has another incarnation and does not know
+        # this member. An "unknown" from the incarnation that formed this generation only means a
+        # heartbeat sent before this member joined was answered late: not a reason to leave.
+        incarnation = view.get("incarnation")
+        if self._incarnation is not None and incarnation is not None and incarnation != self._incarnation:
+            return f"the coordinator restarted (incarnation {incarnation}; generation {number} was formed by {self._incarnation})"
+        current = view.get("generation", 0)
+        if current > number:
+            return f"generation {current} has formed"
+        if current == number and view.get("broken") and not for_commit:
+            return "a member of this generation failed"
+        return None
+
+    # -- joining -------------------------------------------------------------------------------
+
+    def join(self) -> bool:
+        """Join the next generation and heal; False if the job has finished (nothing to join)."""
+        deadline = time.monotonic() + self.job.settings.join_timeout
+        while True:
+            reply = self._ask_to_join()
+            if reply["status"] == "finished":
+                return self._finished_without_us()
+            self._refuse_on(reply)
+            if reply["status"] != "formed":
+                if time.monotonic() > deadline:
+                    raise UnbrokenError(
+                        f"no generation formed within join_timeout={self.job.settings.join_timeout:.0f} s; the coordinator"
+                        " may be waiting for more members than have started (see `unbroken status HOST:PORT`)"
+                    )
+                continue
+            if self._form(reply):
+                return True
+
+    def _ask_to_join(self) -> dict[str, Any]:
+        job = self.job
+        try:
+            return self.client.post(
+                "/v1/join",
+                read_timeout=30.0,
+                member=job.member_id,
+                node=job.settings.node,
+                pid=os.getpid(),
+                step=job.next_step,
+                after=max(job.generation, job._generation_floor),
+                warm=bool(self.heartbeat.warm),
+                preflight=self.preflight(),
+            )
+        except Unauthorized as exc:
+            self._refused(f"unbroken: error: {job.member_id}: {exc}", EXIT_MISMATCH)
+
+    def _finished_without_us(self) -> bool:
+        job = self.job
+        if job.fresh or job.total is None or job.next_step < job.total:
+            # A member that is behind (restarted, late, or cut off until the end): the job
+            # ended without it. End the process quietly rather than let the script go on
+            # with a stale model as if it had trained.
+            print(f"unbroken: {job.member_id}: the job finished before this member could rejoin; exiting", file=sys.stderr, flush=True)
+            job._stop(finished=False)
+            raise SystemExit(0)
+        log.info("%s: the job has finished; nothing to join", job.member_id)
+        return False
+
+    def _refuse_on(self, reply: dict[str, Any]) -> None:
+        """End here if the coordinator will not take this member (or the job cannot go on)."""
+        member_id = self.job.member_id
+        if reply["status"] == "failed":
+            raise UnbrokenError(f"the job cannot go on: {reply.get('reason')}")
+        if reply["status"] == "mismatch":
+            self._refused(
+                f"unbroken: error: {member_id} does not match the job, so the coordinator refused it:"
+                f" {reply.get('reason')}. Run every node with the same script, settings and versions.",
+                EXIT_MISMATCH,
+            )
+        if reply["status"] == "refused":
+            self._refused(f"unbroken: {member_id}: the coordinator refuses this member: {reply.get('reason')}", 1)
+
+    def _form(self, reply: dict[str, Any]) -> bool:
+        """Build the group of the generation that ``reply`` announces and heal it; False (after
+        reporting the failure) if that generation broke meanwhile."""
+        from unbroken.group import GenerationGroup
+
+        job = self.job
+        number = reply["generation"]
+        job.generation = number
+        self._incarnation = reply.get("incarnation")
+        group = GenerationGroup(
+            number,
+            reply["rank"],
+            len(reply["members"]),
+            reply["members"],
+            abandoned=lambda n=number: job._abandon_reason(n),
+            wake=self.wake,
+            timeout=job.settings.collective_timeout,
+            blocked=self._blocked,
+        )
+        try:
+            group.connect(self._store_for(reply["store_host"], reply["store_port"]), reply["prefix"], reply["store_host"])
+            job._healer.heal(group)
+        except GenerationFailed as exc:
+            self._store = None  # a broken store connection must not break every later generation
+            self.report_failure(number, str(exc))
+            self.graveyard.park(group)
+            return False
+        self.group = group
+        job.member_index, job.member_count = group.rank, group.size
+        log.info("%s: generation %d, member %d of %d, at step %d", job.member_id, number, group.rank, group.size, job.next_step)
+        return True
+
+    def _refused(self, message: str, code: int) -> None:
+        """End this worker because the coordinator will not take it (wrong token, a mismatch, a
+        quarantined slot): say why, leave, and exit with ``code`` for the launcher to act on."""
+        print(message, file=sys.stderr, flush=True)
+        self.job._stop(finished=False)
+        raise SystemExit(code)
+
+    def _store_for(self, host: str, port: int) -> Any:
+        if self._store is not None and self._store_address != (host, port):
+            self._store = None  # the store moved (a restarted coordinator)
+        if self._store is None:
+            self._store_address = (host, port)
+            import datetime
+
+            import torch.distributed as dist
+
+            try:
+                self._store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.job.settings.collective_timeout))
+            except Exception as exc:  # DistNetworkError / RuntimeError from torch
+                raise GenerationFailed(f"cannot reach the process-group store at {host}:{port}: {exc}") from None
+        return self._store
+
+    # -- leaving -------------------------------------------------------------------------------
+
+    def report_failure(self, number: int, error: str) -> None:
+        log.warning("%s: generation %d failed: %s", self.job.member_id, number, error)
+        try:
+            self.client.post("/v1/failure", member=self.job.member_id, generation=number, error=error[:500])
+        except UnbrokenError as exc:
+            log.warning("could not report the failure: %s", exc)
+
+    def abandon(self, reason: str) -> None:
+        """Leave a broken generation: report it, and park its group (work may be pending on it)."""
+        if self.group is not None:
+            self.report_failure(self.group.number, reason)
+            self.graveyard.park(self.group)
+            self.group = None
+
+    def close_group(self) -> None:
+        """Leave a healthy generation at a step boundary (someone waits to join)."""
+        if self.group is not None:
+            self.group.pg = None  # nothing is pending on it: safe to destroy
+            self.group = None
+
+    def leave(self, finished: bool) -> None:
+        """Tell the coordinator that this member leaves, and stop heartbeating."""
+        if self.client is not None:
+            try:
+                self.client.post("/v1/leave", member=self.job.member_id, finished=finished, step=self.job.next_step)
+            except UnbrokenError as exc:
+                log.warning("could not tell the coordinator that this member leaves: %s", exc)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
