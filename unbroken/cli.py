@@ -37,7 +37,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
           help="seconds a quarantined slot is not started; then it starts again with a fresh budget (default %(default)s)")
     _flag(p, "--run-dir", default=None, help="logs and events go here (default unbroken-runs/<time>-<pid>)")
     _flag(p, "--coordinator", default=None, help="HOST:PORT of an external coordinator (default: start one here)")
-    _flag(p, "--coordinator-host", default=d["coordinator_host"].default, help="address of the embedded coordinator (default %(default)s)")
+    _flag(p, "--coordinator-host", default=None,
+          help="address the embedded coordinator binds (default 127.0.0.1; with --etcd or --ha: 0.0.0.0, advertised as --node-name)")
     _flag(p, "--coordinator-port", type=int, default=d["coordinator_port"].default, help="port of the embedded coordinator (default 0: any free)")
     _flag(p, "--node-name", default=None, help="name of this node (default: host name)")
     _flag(p, "--heartbeat-interval", type=float, default=d["heartbeat_interval"].default, help="seconds between heartbeats (default %(default)s)")
@@ -69,6 +70,16 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--token", default=None,
           help="shared secret for the coordinator (default: $UNBROKEN_TOKEN; the embedded coordinator makes one up"
           " and writes it to RUN_DIR/coordinator.json)")
+    _flag(p, "--etcd", default=None, metavar="HOST:PORT,...",
+          help="etcd cluster of the replicated coordinator: this launcher runs a coordinator candidate, the leading one"
+          " serves, and the job survives the loss of any host (needs --job-id; default: no etcd)")
+    _flag(p, "--job-id", default=None, help="with --etcd: the job's name, the same on every node (under SLURM: the SLURM job id)")
+    _flag(p, "--leader-lease", type=float, default=d["leader_lease"].default,
+          help="with --etcd: seconds after which a lost leading coordinator is replaced (default %(default)s)")
+    _flag(p, "--ha", action="store_true",
+          help="under SLURM: the first three nodes each run an etcd member, every node a coordinator candidate;"
+          " needs 3 or more nodes and the etcd binary on PATH")
+    _flag(p, "--etcd-port", type=int, default=2379, help="with --ha: etcd's client port; the peer port is the next (default %(default)s)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -118,16 +129,28 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         min_members, max_members = _nnodes(args.nnodes, nproc)
     coordinator, host, port = args.coordinator, args.coordinator_host, args.coordinator_port
     node, advertise, expected = args.node_name or socket.gethostname(), None, None
-    under_slurm = slurm.from_env(env) if args.coordinator is None else None
+    etcd, job_id, etcd_member = args.etcd, args.job_id, None
+    under_slurm = slurm.from_env(env) if args.coordinator is None or args.ha else None
+    if args.ha and under_slurm is None:
+        raise ConfigError("--ha works under SLURM (srun); elsewhere run an etcd cluster and pass --etcd HOST:PORT,... --job-id J")
     if under_slurm is not None:
         node = args.node_name or under_slurm.node
         port = args.coordinator_port or under_slurm.port  # the same on every node
-        if under_slurm.hosts_coordinator:
+        if args.ha:
+            etcd, job_id, etcd_member = slurm.ha_plan(under_slurm, env, args.etcd_port)
+            job_id = args.job_id or job_id
+            coordinator = ",".join(f"{n}:{port}" for n in under_slurm.nodes)  # every node runs a candidate
+            host, advertise = host or "0.0.0.0", under_slurm.nodes[under_slurm.node_index]
+            expected = len(under_slurm.nodes) * nproc
+        elif under_slurm.hosts_coordinator:
             host = "0.0.0.0"
             advertise = under_slurm.nodes[0]
             expected = len(under_slurm.nodes) * nproc
         else:
             coordinator = f"{under_slurm.nodes[0]}:{port}"
+    if etcd and host is None:
+        host, advertise = "0.0.0.0", advertise or node
+    host = host or "127.0.0.1"
     return LaunchSettings(
         script=args.script,
         script_args=tuple(args.script_args),
@@ -153,6 +176,10 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         chaos=args.chaos,
         record_samples=args.record_samples,
         token=args.token or env.get("UNBROKEN_TOKEN") or None,
+        etcd=etcd,
+        job_id=job_id,
+        leader_lease=args.leader_lease,
+        etcd_member=etcd_member,
         min_members=min_members,
         max_members=max_members,
         checkpoint_dir=args.checkpoint_dir,
@@ -215,16 +242,9 @@ def _leadership(args: argparse.Namespace):
     """A candidate's leadership when ``--etcd`` is given, else None (a coordinator on its own)."""
     if not args.etcd:
         return None
-    if not args.job_id:
-        raise ConfigError("--etcd needs --job-id: the name every candidate and node of this job shares")
-    from unbroken.replicated import EtcdGateway, Leadership, LeadershipSettings
+    from unbroken.replicated import leadership_from_flags
 
-    try:
-        settings = LeadershipSettings(args.job_id, lease=args.leader_lease, margin=args.leader_lease / 4)
-    except ValueError as exc:
-        raise ConfigError(f"--job-id/--leader-lease: {exc}") from None
-    endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
-    return Leadership(EtcdGateway(endpoints, timeout=args.leader_lease / 2), settings, me="")
+    return leadership_from_flags(args.etcd, args.job_id, args.leader_lease)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -35,8 +35,10 @@ class CoordinatorClient:
     """JSON requests to the coordinator; retries connection failures up to ``timeout`` seconds.
 
     ``address`` may list several coordinator candidates (``h1:p,h2:p,h3:p``): a request that finds
-    a candidate down, or not leading (503), goes to the next one, so workers fail over to a new
-    leader without anybody telling them."""
+    a candidate down goes to the next one, and one that finds a candidate not leading (503) goes
+    to the leader that candidate names, else to the next one. Every candidate a reply lists
+    (``coordinators``) is added, so workers that were told of one candidate fail over to any
+    new leader without anybody telling them."""
 
     def __init__(self, address: str, timeout: float = 30.0, token: str | None = None) -> None:
         self.addresses = [parse_address(a) for a in address.split(",") if a.strip()]
@@ -54,6 +56,21 @@ class CoordinatorClient:
         member paused with a request in flight (SIGSTOP, a VM pause, a long GC) take a reply
         written before its death verdict for a fresh lease."""
         self._local = threading.local()
+        self._learned = threading.Lock()
+
+    def learn(self, addresses: list[str], leader: str | None = None) -> None:
+        """Add candidates this client did not know; go to ``leader`` next if one is named."""
+        with self._learned:
+            for text in addresses + ([leader] if leader else []):
+                try:
+                    address = parse_address(text)
+                except ValueError:
+                    continue
+                if address not in self.addresses:
+                    self.addresses = self.addresses + [address]
+            if leader:
+                self._current = self.addresses.index(parse_address(leader))
+                self.host, self.port = self.addresses[self._current]
 
     def _connection(self, read_timeout: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -72,6 +89,23 @@ class CoordinatorClient:
         if len(self.addresses) > 1 and (self.host, self.port) == failed:
             self._current = (self._current + 1) % len(self.addresses)
             self.host, self.port = self.addresses[self._current]
+
+    def _follow(self, data: bytes, target: tuple[str, int]) -> None:
+        """After a 503: go to the leader the candidate names, else to the next candidate."""
+        try:
+            hint = json.loads(data)
+        except ValueError:
+            hint = {}
+        if not isinstance(hint, dict):
+            hint = {}
+        leader = hint.get("leader") if isinstance(hint.get("leader"), str) else None
+        try:
+            parse_address(leader or "")
+        except ValueError:
+            leader = None
+        self.learn([a for a in hint.get("coordinators") or [] if isinstance(a, str)], leader)
+        if leader is None or parse_address(leader) == target:
+            self._next_candidate(target)
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -97,13 +131,20 @@ class CoordinatorClient:
                         f"coordinator at {self.host}:{self.port} refused {path}: missing or wrong token"
                         " (pass --token or set UNBROKEN_TOKEN to the job's token)"
                     )
-                if response.status == 503 and len(self.addresses) > 1:
+                if response.status == 503:
+                    self._follow(data, target)
                     raise _NotLeading(data[:200].decode(errors="replace"))
                 if response.status != 200:
                     raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
                 self.last_ok = max(self.last_ok, sent)
-                return json.loads(data)
-            except (OSError, http.client.HTTPException, _NotLeading) as exc:
+                reply = json.loads(data)
+                if isinstance(reply, dict) and isinstance(reply.get("coordinators"), list):
+                    self.learn(reply["coordinators"])
+                return reply
+            except _NotLeading as exc:
+                self._drop()
+                last = exc
+            except (OSError, http.client.HTTPException) as exc:
                 self._drop()
                 self._next_candidate(target)
                 last = exc

@@ -34,6 +34,7 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import uuid
 import hmac
@@ -90,6 +91,10 @@ class Coordinator:
         state is replicated in etcd; None for a coordinator on its own."""
         self._durable = 0
         """The newest generation known to be durable in etcd: members hear only of those."""
+        self._outcome: tuple[bool, str | None] = (False, None)
+        """(finished, failed) as last recorded in etcd."""
+        self._coordinators: list[str] = []
+        """Every candidate's address (the leader's first), sent to members so they know them all."""
         self.events = events or EventLog(None, "coordinator")
         from unbroken.metrics import CoordinatorMetrics  # prometheus_client: only the coordinator needs it
 
@@ -241,6 +246,10 @@ class Coordinator:
         if self.leadership is not None and not self.leadership.is_leader():
             return
         generation, decision = self.state.maybe_form(time.monotonic())
+        outcome = (self.state.finished, self.state.failed)
+        if self.leadership is not None and outcome != self._outcome:
+            self._outcome = outcome
+            asyncio.get_running_loop().create_task(self._record_outcome(outcome))
         if generation is not None:
             if self.leadership is not None:
                 asyncio.get_running_loop().create_task(self._make_durable(generation))
@@ -286,18 +295,23 @@ class Coordinator:
     # -- leadership (replicated state in etcd) -----------------------------------------------------
 
     async def _lead(self) -> None:
-        """Campaign until this candidate leads; then renew its lease every third of it, and step
-        down (serving nothing) the moment it cannot. Each time it starts to lead it starts afresh:
-        a new incarnation and an empty membership that its members' rejoins fill, with generation
-        numbers continuing from etcd."""
+        """Look for a free leader key every ``poll`` seconds until this candidate leads; then
+        renew its lease every third of it, and step down (serving nothing) the moment it cannot.
+        Each time it starts to lead it starts afresh: a new incarnation and an empty membership
+        that its members' rejoins fill, with generation numbers continuing from etcd."""
         from unbroken.replicated import EtcdUnavailable
 
         leadership = self.leadership
-        period = leadership.settings.lease / 3
+        settings = leadership.settings
+        registered_at = -float("inf")
         while True:
             try:
+                if time.monotonic() - registered_at >= settings.registration / 3:
+                    await leadership.register()
+                    self._coordinators = await leadership.candidates()
+                    registered_at = time.monotonic()
                 if not leadership.is_leader():
-                    if await leadership.campaign():
+                    if await leadership.campaign_if_free():
                         await self._take_over()
                 elif not await leadership.renew():
                     self._deposed("its etcd lease could not be renewed")
@@ -306,17 +320,39 @@ class Coordinator:
                     log.debug("campaign failed: %s", exc)
             except Exception:  # the campaign must go on whatever one round does
                 log.exception("leadership round failed")
-            await asyncio.sleep(period)
+            await asyncio.sleep(settings.lease / 3 if leadership.is_leader() else settings.poll)
 
     async def _take_over(self) -> None:
+        """Start leading from what etcd holds: generation numbers continue above the newest one,
+        the first generation waits for its members (who rejoin within a heartbeat interval or
+        two) for one heartbeat timeout at most, and a finished or failed job stays so."""
         stored = await self.leadership.read("generation") or {}
-        self.state = Membership(self.membership_settings)
+        outcome = await self.leadership.read("outcome") or {}
+        settings = self.membership_settings
+        if stored.get("members"):
+            settings = dataclasses.replace(
+                settings, expected_members=len(stored["members"]), start_grace=settings.heartbeat_timeout
+            )
+        self.state = Membership(settings)
         self.state.min_generation = int(stored.get("number", 0))
+        self.state.finished = bool(outcome.get("finished"))
+        self.state.failed = outcome.get("failed") or None
+        self._outcome = (self.state.finished, self.state.failed)
         self._durable = self.state.min_generation
+        self._coordinators = await self.leadership.candidates()
         self.incarnation = uuid.uuid4().hex[:12]
         log.warning("now leading (incarnation %s); generations continue above %d", self.incarnation, self._durable)
         self.events.emit("leader", incarnation=self.incarnation, generation=self._durable, address=self.leadership.me)
         self._bump()
+
+    async def _record_outcome(self, outcome: tuple[bool, str | None]) -> None:
+        """Make "finished" or "failed" durable, so that a later leader does not train on."""
+        from unbroken.replicated import EtcdUnavailable, NotLeader
+
+        try:
+            await self.leadership.guarded_put("outcome", {"finished": outcome[0], "failed": outcome[1]})
+        except (NotLeader, EtcdUnavailable) as exc:
+            log.warning("could not record the job's outcome in etcd: %s", exc)
 
     def _deposed(self, why: str) -> None:
         log.error("no longer the leader: %s; serving nothing", why)
@@ -345,14 +381,24 @@ class Coordinator:
         @web.middleware
         async def leading_only(request, handler):
             if not self.leadership.is_leader() and request.path != "/metrics":
-                return web.json_response({"error": f"{self.leadership.me} is a candidate that does not lead"}, status=503)
+                return self._not_leading(f"{self.leadership.me} is a candidate that does not lead")
             response = await handler(request)
             if not self.leadership.is_leader() and request.path != "/metrics":
                 # it lost the lead while the request waited: its answer may already be stale
-                return web.json_response({"error": f"{self.leadership.me} stopped leading"}, status=503)
+                return self._not_leading(f"{self.leadership.me} stopped leading")
             return response
 
         return leading_only
+
+    def _not_leading(self, why: str):
+        """503, with where the leader is (as far as this candidate knows): members go there."""
+        from aiohttp import web
+
+        hint = self.leadership.known_leader
+        return web.json_response(
+            {"error": why, "leader": hint if hint != self.leadership.me else None, "coordinators": self._coordinators},
+            status=503,
+        )
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -417,6 +463,7 @@ class Coordinator:
                         "prefix": current.prefix,
                         "store_host": self.settings.advertise_host or self.settings.host,
                         "store_port": self.store_port,
+                        **({"coordinators": self._coordinators} if self._coordinators else {}),
                     }
                 )
             if self.state.finished:
@@ -557,6 +604,7 @@ class Coordinator:
                 "committed_step": self.state.committed_step(),
                 "live": self.state.live_count(),
                 "quarantined": self._quarantine_left(),
+                **({"coordinators": self._coordinators} if self._coordinators else {}),
                 "members": [
                     {
                         "member": m.id,

@@ -131,6 +131,17 @@ class LaunchSettings:
     """Fault schedule for the workers (see ``unbroken.chaos``)."""
     record_samples: bool = False
     """Workers log the stream positions of every step attempt (for exactly-once checks)."""
+    etcd: str | None = None
+    """``HOST:PORT,...`` of an etcd cluster: the embedded coordinator is then one of several
+    candidates (one per launcher), the one that leads serves, and the job survives the loss of
+    any host, this one's included. Needs ``job_id``."""
+    job_id: str | None = None
+    """Names the job in etcd; the same on every node."""
+    leader_lease: float = 2.0
+    """With ``etcd``: seconds after which a lost leading candidate is replaced."""
+    etcd_member: Any = None
+    """With ``--ha`` under SLURM: the :class:`~unbroken.etcd_member.MemberSpec` of the etcd member
+    this launcher runs for the job (on the first three nodes), else None."""
     token: str | None = field(default=None, repr=False)
     """Shared secret for the coordinator (``--token``/``UNBROKEN_TOKEN``). The embedded coordinator
     makes one up when none is given; an external one needs the token it was started with."""
@@ -169,6 +180,15 @@ class LaunchSettings:
         from unbroken.checkpoint import CheckpointSettings
 
         CheckpointSettings(self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)  # validates
+        if self.etcd:
+            from unbroken.replicated import leadership_from_flags
+
+            leadership_from_flags(self.etcd, self.job_id, self.leader_lease)  # validates
+            if self.leader_lease >= self.heartbeat_timeout + 1:
+                log.warning(
+                    "--leader-lease %.1f s is well above --heartbeat-timeout %.1f s: losing the leading coordinator"
+                    " will stall training longer than losing a worker", self.leader_lease, self.heartbeat_timeout,
+                )
 
     def restart_policy(self) -> RestartPolicy:
         return RestartPolicy(
@@ -276,16 +296,25 @@ class Launcher:
             self._write_summary()
             if self.coordinator is not None:
                 self.coordinator.stop()
+            self._stop_etcd_member()
         if code != 0 and self.reason:
             print(f"unbroken: {self.reason}", file=sys.stderr, flush=True)
         return code
 
     def _start_coordinator(self) -> None:
-        if self.address is not None:
+        """Start the embedded coordinator: alone, or with ``--etcd`` as this node's candidate
+        (after this node's etcd member under ``--ha``)."""
+        if self.address is not None and not self.settings.etcd:
             return
         from unbroken.coordinator import Coordinator, CoordinatorSettings
         from unbroken.membership import MembershipSettings
 
+        leadership = None
+        if self.settings.etcd:
+            from unbroken.replicated import leadership_from_flags
+
+            self._start_etcd_member()
+            leadership = leadership_from_flags(self.settings.etcd, self.settings.job_id, self.settings.leader_lease)
         self.coordinator = Coordinator(
             CoordinatorSettings(
                 host=self.settings.coordinator_host,
@@ -304,9 +333,11 @@ class Launcher:
                 start_grace=self.settings.start_grace,
             ),
             EventLog.for_run_dir(self.run_dir, "coordinator"),
+            leadership=leadership,
         ).start_in_thread()
         host = "127.0.0.1" if self.settings.coordinator_host == "0.0.0.0" else self.settings.coordinator_host
-        self.address = f"{host}:{self.coordinator.port}"
+        # this node's candidate first, then the others known up front (workers learn the rest)
+        self.address = ",".join([f"{host}:{self.coordinator.port}"] + ([self.address] if self.address else []))
         # for `unbroken status` and metrics scrapers: readable by this user only
         # (written whole, then renamed into place: a reader never sees half of it)
         path = os.path.join(self.run_dir, "coordinator.json")
@@ -314,6 +345,28 @@ class Launcher:
         with os.fdopen(fd, "w") as f:
             json.dump({"address": self.address, "token": self.token}, f)
         os.rename(path + ".tmp", path)
+
+    def _start_etcd_member(self) -> None:
+        """Under ``--ha``: this node's etcd member, in a fresh local data directory, until the
+        launcher ends. The cluster is healthy once a majority of the first three nodes runs."""
+        spec = self.settings.etcd_member
+        if spec is None:
+            return
+        import tempfile
+
+        from unbroken.etcd_member import EtcdMember
+
+        self._etcd_dir = tempfile.mkdtemp(prefix="unbroken-etcd-")
+        self.etcd_member = EtcdMember(spec, self._etcd_dir, os.path.join(self.run_dir, "etcd.log")).start()
+        self._say(f"etcd member {spec.name} at {spec.client_url} (log {self.run_dir}/etcd.log)")
+
+    def _stop_etcd_member(self) -> None:
+        member = getattr(self, "etcd_member", None)
+        if member is not None:
+            member.stop(signal.SIGTERM)
+            import shutil
+
+            shutil.rmtree(self._etcd_dir, ignore_errors=True)
 
     def _supervise(self) -> int:
         while True:
@@ -501,7 +554,8 @@ class Launcher:
         env = dict(os.environ)
         env.update(
             {
-                "UNBROKEN_COORDINATOR": self.address,
+                # every candidate known so far, this node's first
+                "UNBROKEN_COORDINATOR": ",".join(f"{h}:{p}" for h, p in self.client.addresses),
                 "UNBROKEN_TOKEN": self.token or "",
                 "UNBROKEN_LAUNCHER_PID": str(os.getpid()),
                 "UNBROKEN_MEMBER_ID": worker.member_id,

@@ -6,7 +6,10 @@ uses), never home-made. What lives in etcd, under ``/unbroken/<job>/``:
 
 ``leader``       the leading candidate's address, attached to its etcd lease (gone when the
                  lease expires);
-``generation``   the newest generation formed: ``{number, members, incarnation}``.
+``generation``   the newest generation formed: ``{number, members, incarnation}``;
+``outcome``      once the job finished or failed: ``{finished, failed}``;
+``candidates/<address>``  every live candidate, attached to a lease of its own, so that members
+                 that know one candidate learn all of them.
 
 Every decision is one transaction guarded by the leader key: it succeeds only while this
 candidate's lease still holds that key. A deposed leader's write is refused by etcd itself, so
@@ -98,6 +101,18 @@ class EtcdGateway:
     async def revoke(self, lease: int) -> None:
         await self.call("lease/revoke", {"ID": lease})
 
+    async def prefix(self, prefix: str) -> list[tuple[str, str]]:
+        """Every key under ``prefix`` with its value."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        reply = await self.call("kv/range", {"key": _b64(prefix), "range_end": _b64(end)})
+        return [(_unb64(kv["key"]), _unb64(kv.get("value", ""))) for kv in reply.get("kvs") or []]
+
+    async def put(self, key: str, value: str, lease: int | None = None) -> None:
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease is not None:
+            body["lease"] = lease
+        await self.call("kv/put", body)
+
     async def get(self, key: str) -> tuple[str | None, int]:
         """The value of ``key`` (None if absent) and the store's revision."""
         reply = await self.call("kv/range", {"key": _b64(key)})
@@ -120,12 +135,19 @@ class LeadershipSettings:
     """TTL of the leader's etcd lease, in seconds: a dead leader is replaced after about this long."""
     margin: float = 0.5
     """The leader stops answering this long before its lease can have expired on etcd's side."""
+    poll: float = 0.1
+    """How often a candidate that does not lead looks whether the leader key is free: the
+    failover's latency beyond the lease (reads of one key, cheap for etcd)."""
+    registration: float = 10.0
+    """TTL of a candidate's entry under ``candidates/``; renewed every third of it."""
 
     def __post_init__(self) -> None:
         if not self.job or "/" in self.job:
             raise ValueError(f"job id must be a non-empty name without '/', got {self.job!r}")
         if not 0 < self.margin < self.lease / 2:
             raise ValueError(f"need 0 < margin ({self.margin}) < lease / 2 ({self.lease / 2})")
+        if not 0 < self.poll <= self.lease / 3:
+            raise ValueError(f"need 0 < poll ({self.poll}) <= lease / 3 ({self.lease / 3:.2f})")
 
 
 class Leadership:
@@ -139,6 +161,9 @@ class Leadership:
         self.valid_until = 0.0
         """By this candidate's own monotonic clock: it may serve as leader until then."""
         self.prefix = f"/unbroken/{settings.job}/"
+        self.known_leader: str | None = None
+        """The leader's address as last read from etcd (a hint for members that ask a candidate)."""
+        self._registration: int | None = None
 
     @property
     def leader_key(self) -> str:
@@ -164,6 +189,29 @@ class Leadership:
         log.info("%s leads job %s (etcd lease %x)", self.me, self.settings.job, lease)
         return True
 
+    async def campaign_if_free(self) -> bool:
+        """Read the leader key; campaign only when nobody holds it. True if this candidate now
+        leads. Cheap enough to run every ``poll`` seconds."""
+        self.known_leader = await self.leader()
+        if self.known_leader is not None:
+            return False
+        won = await self.campaign()
+        self.known_leader = self.me if won else await self.leader()
+        return won
+
+    async def register(self) -> None:
+        """Keep this candidate's entry under ``candidates/`` alive (made anew if it lapsed)."""
+        if self._registration is not None and await self.gateway.keepalive(self._registration) > 0:
+            return
+        self._registration = await self.gateway.grant(self.settings.registration)
+        await self.gateway.put(self.prefix + "candidates/" + self.me, self.me, lease=self._registration)
+
+    async def candidates(self) -> list[str]:
+        """Every registered candidate's address, the leader's first."""
+        found = sorted(value for _, value in await self.gateway.prefix(self.prefix + "candidates/"))
+        leader = self.me if self.is_leader() else self.known_leader
+        return ([leader] if leader in found else []) + [a for a in found if a != leader]
+
     async def renew(self) -> bool:
         """Renew the leader's lease; False (and no longer leader) if it was lost."""
         if self.lease is None:
@@ -184,13 +232,17 @@ class Leadership:
         self.valid_until = 0.0
 
     async def resign(self) -> None:
-        lease, self.lease = self.lease, None
+        """Give up the lead (and the registration) at once, so that another candidate need not
+        wait for the lease to run out."""
+        leases = [self.lease, self._registration]
+        self.lease = self._registration = None
         self.valid_until = 0.0
-        if lease is not None:
-            try:
-                await self.gateway.revoke(lease)
-            except EtcdUnavailable:
-                pass
+        for lease in leases:
+            if lease is not None:
+                try:
+                    await self.gateway.revoke(lease)
+                except EtcdUnavailable:
+                    pass
 
     async def leader(self) -> str | None:
         value, _ = await self.gateway.get(self.leader_key)
@@ -216,3 +268,20 @@ class Leadership:
     async def read(self, key: str) -> Any:
         value, _ = await self.gateway.get(self.prefix + key)
         return None if value is None else json.loads(value)
+
+
+def leadership_from_flags(etcd: str, job_id: str | None, lease: float, me: str = "") -> Leadership:
+    """A candidate's leadership from ``--etcd``, ``--job-id`` and ``--leader-lease``, with clear
+    errors for each."""
+    from unbroken.errors import ConfigError
+
+    if not job_id:
+        raise ConfigError("--etcd needs --job-id: the name every candidate and node of this job shares")
+    endpoints = [e.strip() for e in etcd.split(",") if e.strip()]
+    if not endpoints:
+        raise ConfigError(f"--etcd must list HOST:PORT endpoints, got {etcd!r}")
+    try:
+        settings = LeadershipSettings(job_id, lease=lease, margin=lease / 4, poll=min(0.1, lease / 3))
+    except ValueError as exc:
+        raise ConfigError(f"--job-id/--leader-lease: {exc}") from None
+    return Leadership(EtcdGateway(endpoints, timeout=lease / 2), settings, me=me)

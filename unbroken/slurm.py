@@ -88,3 +88,21 @@ def from_env(env: Mapping[str, str]) -> SlurmNode | None:
         hosts_coordinator=index == 0,
         port=port,
     )
+
+
+def ha_plan(node: SlurmNode, env: Mapping[str, str], client_port: int) -> tuple[str, str, object]:
+    """``--ha``: the etcd endpoints (the first three nodes), the job id (``slurm-<SLURM_JOB_ID>``)
+    and this node's etcd member (None beyond the first three nodes)."""
+    from unbroken.etcd_member import cluster_specs, require_binary
+
+    if len(node.nodes) < 3:
+        raise ConfigError(
+            f"--ha needs at least 3 nodes, this job has {len(node.nodes)}: surviving the loss of any one host needs"
+            " three etcd members on three hosts (drop --ha to run the coordinator on the first node)"
+        )
+    job = f"slurm-{env.get('SLURM_JOB_ID', 'job')}"
+    specs = cluster_specs(list(node.nodes[:3]), token=job, client_port=client_port, listen_host="0.0.0.0")
+    member = specs[node.node_index] if node.node_index < 3 else None
+    if member is not None:
+        require_binary()
+    return ",".join(f"{s.host}:{s.client_port}" for s in specs), job, member

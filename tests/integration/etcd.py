@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from contextlib import contextmanager
 from typing import Iterator
+
+from unbroken.etcd_member import EtcdMember, MemberSpec
 
 
 def why_not_available() -> str | None:
@@ -35,63 +35,60 @@ def _free_ports(count: int) -> list[int]:
 
 
 class Cluster:
-    def __init__(self, directory: str, size: int = 3) -> None:
-        ports = _free_ports(2 * size)
-        self.client_ports, self.peer_ports = ports[:size], ports[size:]
-        self.names = [f"e{i}" for i in range(size)]
+    """``size`` members on ``host`` (127.0.0.1, or a test host's address), with fast elections."""
+
+    def __init__(self, directory: str, size: int = 3, hosts: list[str] | None = None) -> None:
+        hosts = hosts or ["127.0.0.1"] * size
+        if len(set(hosts)) == 1:
+            ports = _free_ports(2 * size)
+            client_ports, peer_ports = ports[:size], ports[size:]
+        else:  # one member per host: the usual ports
+            client_ports, peer_ports = [2379] * size, [2380] * size
+        names = [f"e{i}" for i in range(size)]
+        initial = ",".join(f"{n}=http://{h}:{p}" for n, h, p in zip(names, hosts, peer_ports))
+        self.specs = [
+            MemberSpec(n, h, c, p, initial, os.path.basename(directory), election_timeout_ms=500, heartbeat_interval_ms=50)
+            for n, h, c, p in zip(names, hosts, client_ports, peer_ports)
+        ]
         self.directory = directory
-        self.procs: list[subprocess.Popen | None] = [None] * size
-        self.initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
+        self.members: list[EtcdMember | None] = [None] * size
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.client_ports]
+        return [f"{s.host}:{s.client_port}" for s in self.specs]
 
-    def start(self, index: int, state: str = "new") -> None:
-        name = self.names[index]
-        log = open(os.path.join(self.directory, f"{name}.log"), "ab")
-        self.procs[index] = subprocess.Popen(
-            ["etcd", "--name", name, "--data-dir", os.path.join(self.directory, name),
-             "--listen-client-urls", f"http://127.0.0.1:{self.client_ports[index]}",
-             "--advertise-client-urls", f"http://127.0.0.1:{self.client_ports[index]}",
-             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[index]}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[index]}",
-             "--initial-cluster", self.initial, "--initial-cluster-state", state,
-             "--initial-cluster-token", os.path.basename(self.directory),
-             "--election-timeout", "500", "--heartbeat-interval", "50", "--pre-vote=true"],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
+    def member(self, index: int, popen=subprocess.Popen) -> EtcdMember:
+        spec = self.specs[index]
+        return EtcdMember(spec, os.path.join(self.directory, spec.name), os.path.join(self.directory, f"{spec.name}.log"), popen)
+
+    def start(self, index: int, state: str = "new", popen=subprocess.Popen) -> None:
+        """Start member ``index`` (``popen`` may start it inside a test host)."""
+        self.members[index] = self.member(index, popen).start(state)
 
     def stop(self, index: int) -> None:
-        proc = self.procs[index]
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        self.procs[index] = None
+        member = self.members[index]
+        if member is not None:
+            member.stop()
+        self.members[index] = None
 
     def healthy(self, index: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_ports[index]}/health", timeout=1) as r:
-                return b'"health":"true"' in r.read().replace(b" ", b"")
-        except OSError:
-            return False
+        return self.member(index).healthy()
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(self.healthy(i) for i, p in enumerate(self.procs) if p is not None):
+            if all(m.healthy() for m in self.members if m is not None):
                 return
             time.sleep(0.1)
         raise AssertionError(f"etcd did not become healthy within {timeout} s")
 
 
 @contextmanager
-def cluster(directory: str, size: int = 3) -> Iterator[Cluster]:
-    made = Cluster(directory, size)
+def cluster(directory: str, size: int = 3, hosts: list[str] | None = None, popen=subprocess.Popen) -> Iterator[Cluster]:
+    made = Cluster(directory, size, hosts)
     try:
         for i in range(size):
-            made.start(i)
+            made.start(i, popen=popen)
         made.wait_healthy()
         yield made
     finally:

@@ -123,7 +123,9 @@ def test_the_leading_coordinator_killed_the_others_take_over_and_training_goes_o
             runs = {name: harness.Run(0, "", "", str(tmp_path / name)) for name in ("c0", "c1", "c2")}
             first = harness.wait_for(lambda: [n for n, r in runs.items() if r.events("leader")], 30, "a leader")
             assert len(first) == 1
-            node = start(["run", "--run-dir", run_dir, "--coordinator", ",".join(a for _, a in candidates),
+            # the node is told only of the leader, which is killed: it must have learned the others
+            told = candidates[int(first[0][1:])][1]
+            node = start(["run", "--run-dir", run_dir, "--coordinator", told,
                           "--nproc-per-node", "3", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "2", "--record-samples",
                           harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.3", "--out", f"{run_dir}/final"], str(tmp_path))
             procs.append(node)

@@ -44,6 +44,11 @@ RUN_FLAGS = [
     ["--chaos"],
     ["--record-samples", "--record_samples"],
     ["--token"],
+    ["--etcd"],
+    ["--job-id", "--job_id"],
+    ["--leader-lease", "--leader_lease"],
+    ["--ha"],
+    ["--etcd-port", "--etcd_port"],
 ]
 
 
@@ -82,11 +87,12 @@ def test_run_defaults_come_from_the_launch_settings():
     args = build_parser().parse_args(["run", "train.py"])
     fields = LaunchSettings.__dataclass_fields__
     for name in (
-        "max_restarts", "restart_window", "quarantine_cooloff", "coordinator_host", "coordinator_port", "heartbeat_interval",
+        "max_restarts", "restart_window", "quarantine_cooloff", "coordinator_port", "heartbeat_interval", "leader_lease",
         "heartbeat_timeout", "collective_timeout", "restart_backoff", "max_restart_backoff", "shutdown_grace",
     ):
         assert getattr(args, name) == fields[name].default, name
     assert args.nproc_per_node == "1"
+    assert args.coordinator_host is None  # 127.0.0.1 alone, 0.0.0.0 with --etcd or --ha (launch_settings)
     assert (args.run_dir, args.coordinator, args.node_name, args.tee, args.chaos, args.record_samples) == (None, None, None, None, None, False)
     assert (args.script, args.script_args) == ("train.py", [])
 
@@ -108,6 +114,7 @@ def test_everything_after_the_script_belongs_to_the_script():
     assert args.script == "train.py"
     assert args.script_args == ["--lr", "3e-4", "--nproc-per-node", "9"]
     assert args.nproc_per_node == "1"
+    assert args.coordinator_host is None  # 127.0.0.1 alone, 0.0.0.0 with --etcd or --ha (launch_settings)
     assert args.tee == 1
 
 

@@ -64,3 +64,41 @@ def test_under_srun_the_first_node_hosts_the_coordinator_for_every_node(tmp_path
 def test_explicit_flags_beat_slurm(tmp_path):
     settings = launch_settings(_args(tmp_path, "--coordinator", "head:1234", "--node-name", "mine"), ENV)
     assert settings.coordinator == "head:1234" and settings.node == "mine"
+
+
+def test_with_ha_the_first_three_nodes_run_etcd_and_every_node_a_coordinator_candidate(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    env = {**ENV, "SLURM_JOB_NODELIST": "gpu[01-04]"}
+    second = launch_settings(_args(tmp_path, "--ha"), env)
+    assert second.etcd == "gpu01:2379,gpu02:2379,gpu03:2379" and second.job_id == "slurm-42"
+    assert second.etcd_member.name == "m1" and second.etcd_member.host == "gpu02" and second.etcd_member.listen_host == "0.0.0.0"
+    assert "m0=http://gpu01:2380" in second.etcd_member.initial_cluster
+    assert second.coordinator == "gpu01:29400,gpu02:29400,gpu03:29400,gpu04:29400"
+    assert second.coordinator_host == "0.0.0.0" and second.coordinator_advertise == "gpu02" and second.expected_members == 16
+    fourth = launch_settings(_args(tmp_path, "--ha", "--etcd-port", "3000"), {**env, "SLURM_NODEID": "3", "SLURMD_NODENAME": "gpu04"})
+    assert fourth.etcd_member is None and fourth.etcd == "gpu01:3000,gpu02:3000,gpu03:3000"
+
+
+@pytest.mark.parametrize(
+    "env, which, message",
+    [
+        ({**ENV, "SLURM_JOB_NODELIST": "gpu[01-02]"}, "/usr/bin/etcd", "at least 3 nodes"),
+        (ENV, None, "etcd binary on PATH"),
+        ({}, "/usr/bin/etcd", "under SLURM"),
+    ],
+)
+def test_ha_without_three_nodes_etcd_or_slurm_is_a_clear_error(tmp_path, monkeypatch, env, which, message):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: which)
+    with pytest.raises(ConfigError, match=message):
+        launch_settings(_args(tmp_path, "--ha"), env)
+
+
+def test_etcd_outside_slurm_binds_every_interface_and_needs_a_job_id(tmp_path):
+    settings = launch_settings(_args(tmp_path, "--etcd", "e1:2379,e2:2379", "--job-id", "j", "--node-name", "n1"), {})
+    assert settings.coordinator_host == "0.0.0.0" and settings.coordinator_advertise == "n1" and settings.coordinator is None
+    with pytest.raises(ConfigError, match="--job-id"):
+        launch_settings(_args(tmp_path, "--etcd", "e1:2379"), {})
