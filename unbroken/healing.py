@@ -21,27 +21,25 @@ all from the source to one receiver, in this order:
    concatenated into one flat buffer of at most ``PACK_BYTES``, so that thousands of tiny
    tensors do not pay a message each. Empty tensors send nothing.
 
-The manifest is a pickle, read by a restricted unpickler (:class:`_SafeUnpickler`): only plain
-containers, numbers, strings, torch dtypes and sizes, numpy arrays and this module's own types,
-never an arbitrary callable. A state_dict that holds other objects is refused with an error
+The manifest is a pickle, read by a restricted unpickler
+(:class:`~unbroken.safe_unpickle.SafeUnpickler`): only plain containers, numbers, strings, torch
+dtypes and sizes, numpy arrays and this module's own types, never an arbitrary callable. A state_dict that holds other objects is refused with an error
 naming the type. (Checkpoints load with ``torch.load(weights_only=True)`` for the same reason.)
 
 A receiver loads nothing into the caller's objects: it builds a new state and returns it only
 once every message has arrived, so a transfer cut by a failure leaves it as it was. It allocates
 its large tensors when the manifest arrives and faults their pages in on a helper thread while
-the data comes (``PREFAULT``): for a receiver that does not hold the memory yet, the first touch
-of new pages costs about as much as the transfer itself (benchmarks/bench_heal.py).
+the data comes (``PREFAULT``, :mod:`unbroken.prefault`): for a receiver that does not hold the
+memory yet, the first touch of new pages costs about as much as the transfer itself
+(benchmarks/bench_heal.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
 import pickle
 import random
-import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,6 +47,8 @@ import torch
 
 from unbroken.errors import ConfigError
 from unbroken.group import GenerationGroup
+from unbroken.prefault import Prefault as _Prefault
+from unbroken.safe_unpickle import SafeUnpickler, safe_loads
 
 STATE_VERSION = 2
 """Version of the healing wire format; a receiver refuses a state of another version."""
@@ -188,47 +188,7 @@ class _Splitter(pickle.Pickler):
         return None
 
 
-_SAFE_BUILTINS = frozenset(
-    ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bytearray", "bool", "slice", "range")
-)
-_SAFE_GLOBALS = {
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("unbroken.healing", "TensorSpec"),
-    ("unbroken.healing", "Skeleton"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-    ("numpy.core.numeric", "_frombuffer"),
-    ("numpy._core.numeric", "_frombuffer"),
-}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles only plain data: a healing payload can never name a callable to run."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _SAFE_GLOBALS or module == "numpy.dtypes":
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"the healing state holds a {module}.{name}, which is not plain data; state_dicts healed"
-            " between members (model, optimizer, scheduler, extra_state) may hold only containers,"
-            " numbers, strings, tensors and numpy arrays"
-        )
-
-
-def _safe_loads(data: bytes) -> Any:
-    return _SafeUnpickler(io.BytesIO(data)).load()
-
-
-class _Joiner(_SafeUnpickler):
+class _Joiner(SafeUnpickler):
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file)
         self._tensors = tensors
@@ -302,56 +262,6 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 PREFAULT = True
 """Whether a receiver faults in the pages of its new tensors on a helper thread, ahead of the data."""
-_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
-_PREFAULT_STEP = 8 << 20
-_madvise: Any = None
-
-
-def _populate_write() -> Any:
-    """libc's madvise, or None where it or MADV_POPULATE_WRITE cannot be used."""
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                function = ctypes.CDLL(None, use_errno=True).madvise
-                function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                function.restype = ctypes.c_int
-                _madvise = function
-            except (OSError, AttributeError):
-                pass
-    return _madvise or None
-
-
-class _Prefault:
-    """Faults in the pages of the tensors a receiver is about to fill, in order, on a helper
-    thread (ctypes lets go of the GIL), so that the first touch of new memory, which can cost more
-    than the transfer itself, overlaps with the transfer instead of stalling it. It only maps
-    pages (``MADV_POPULATE_WRITE``) and never writes data, so it may run over a tensor that is
-    being filled. Where that call is missing it does nothing."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        madvise = _populate_write()
-        if madvise is not None and tensors:
-            self._thread = threading.Thread(target=self._run, args=(madvise, tensors), name="unbroken-heal-prefault", daemon=True)
-            self._thread.start()
-
-    def _run(self, madvise: Any, tensors: list[torch.Tensor]) -> None:
-        page = 4096
-        for tensor in tensors:
-            first = tensor.data_ptr()
-            start = (first + page - 1) // page * page
-            end = (first + tensor.numel() * tensor.element_size()) // page * page
-            for at in range(start, end, _PREFAULT_STEP):
-                if self._stop.is_set():
-                    return
-                if madvise(at, min(_PREFAULT_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
-                    return  # not supported here (EINVAL), or out of memory: the transfer will tell
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 # -- transfer ------------------------------------------------------------------------------------
@@ -432,7 +342,7 @@ def recv_state(group: GenerationGroup, src: int, progress: Callable[[], None] = 
     raw = torch.empty(manifest_bytes, dtype=torch.uint8)
     group.recv(raw, src, TAG_MANIFEST, "healing transfer (manifest)")
     progress()
-    skeleton, plan_ = _safe_loads(raw.numpy().tobytes())
+    skeleton, plan_ = safe_loads(raw.numpy().tobytes())
     del raw
     specs = skeleton.specs
     tensors: list[torch.Tensor | None] = [None] * len(specs)
