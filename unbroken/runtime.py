@@ -15,6 +15,12 @@ backward, and then either commits (optimizer step) or, if the allreduce failed, 
 parameters untouched and redoes the step in the next generation. Run as a plain single process
 (no coordinator in the environment) the same script trains on the whole global batch, which is
 the reference every distributed run must match.
+
+This module holds :class:`Job` (the training objects, the step counter and lineage, and the
+loop) and its settings. The rest of the work is done by parts of their own: :class:`Step`
+(:mod:`unbroken.step`), joining a generation and keeping its group (:mod:`unbroken.joining`),
+healing it (:mod:`unbroken.healer`), durable checkpoints (:mod:`unbroken.checkpointing`), replica
+checks (:mod:`unbroken.replica_check`) and the sample record (:mod:`unbroken.sample_record`).
 """
 
 from __future__ import annotations
@@ -144,12 +150,6 @@ class Job:
         settings: runtime settings (default: from the environment ``unbroken run`` sets).
         checkpoint: durable checkpoints (default: from ``UNBROKEN_CHECKPOINT_*``, which
             ``unbroken run --checkpoint-dir/--checkpoint-every`` set): where, how often, how many.
-
-    The job holds the training objects, the step counter and lineage, and runs the loop; its
-    collaborators do the rest: joining a generation and keeping its group
-    (:class:`~unbroken.joining.Joiner`), healing (:class:`~unbroken.healer.Healer`), durable
-    checkpoints (:class:`~unbroken.checkpointing.Checkpointing`), replica checks
-    (:mod:`unbroken.replica_check`) and the sample record (:mod:`unbroken.sample_record`).
     """
 
     def __init__(
