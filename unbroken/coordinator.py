@@ -70,6 +70,11 @@ class CoordinatorSettings:
     """How often heartbeat deadlines are checked."""
     token: str | None = None
     """Shared secret every request must carry (``Authorization: Bearer TOKEN``); None: none."""
+    rejoin_grace: float = 0.5
+    """A candidate that takes over the lead forms its first generation once every member of the
+    last one has rejoined, or after this many seconds with those that did (a lost host's members
+    never do). Live members look for the new leader every 0.1 s, so they rejoin well within it;
+    one that is later joins the next generation."""
 
 
 class Coordinator:
@@ -93,6 +98,8 @@ class Coordinator:
         """The newest generation known to be durable in etcd: members hear only of those."""
         self._outcome: tuple[bool, str | None] = (False, None)
         """(finished, failed) as last recorded in etcd."""
+        self._leading = False
+        """A candidate's state is its own lead's (taken over from etcd); False until then."""
         self._coordinators: list[str] = []
         """Every candidate's address (the leader's first), sent to members so they know them all."""
         self.events = events or EventLog(None, "coordinator")
@@ -243,7 +250,7 @@ class Coordinator:
     def _bump(self) -> None:
         """Form a generation if the rules allow, then wake every long poll."""
         broken_at = self.state.broken_at
-        if self.leadership is not None and not self.leadership.is_leader():
+        if not self._serving():
             return
         generation, decision = self.state.maybe_form(time.monotonic())
         outcome = (self.state.finished, self.state.failed)
@@ -311,6 +318,7 @@ class Coordinator:
                     self._coordinators = await leadership.candidates()
                     registered_at = time.monotonic()
                 if not leadership.is_leader():
+                    self._leading = False  # whatever it held from an earlier lead is stale
                     if await leadership.campaign_if_free():
                         await self._take_over()
                 elif not await leadership.renew():
@@ -324,14 +332,14 @@ class Coordinator:
 
     async def _take_over(self) -> None:
         """Start leading from what etcd holds: generation numbers continue above the newest one,
-        the first generation waits for its members (who rejoin within a heartbeat interval or
-        two) for one heartbeat timeout at most, and a finished or failed job stays so."""
+        the first generation waits ``rejoin_grace`` at most for the last one's members, and a
+        finished or failed job stays so."""
         stored = await self.leadership.read("generation") or {}
         outcome = await self.leadership.read("outcome") or {}
         settings = self.membership_settings
         if stored.get("members"):
             settings = dataclasses.replace(
-                settings, expected_members=len(stored["members"]), start_grace=settings.heartbeat_timeout
+                settings, expected_members=len(stored["members"]), start_grace=self.settings.rejoin_grace
             )
         self.state = Membership(settings)
         self.state.min_generation = int(stored.get("number", 0))
@@ -341,6 +349,7 @@ class Coordinator:
         self._durable = self.state.min_generation
         self._coordinators = await self.leadership.candidates()
         self.incarnation = uuid.uuid4().hex[:12]
+        self._leading = True
         log.warning("now leading (incarnation %s); generations continue above %d", self.incarnation, self._durable)
         self.events.emit("leader", incarnation=self.incarnation, generation=self._durable, address=self.leadership.me)
         self._bump()
@@ -354,7 +363,13 @@ class Coordinator:
         except (NotLeader, EtcdUnavailable) as exc:
             log.warning("could not record the job's outcome in etcd: %s", exc)
 
+    def _serving(self) -> bool:
+        """Whether this coordinator answers: always when alone; a candidate only while it leads
+        by its own clock and has rebuilt its state from etcd since it started leading."""
+        return self.leadership is None or (self._leading and self.leadership.is_leader())
+
     def _deposed(self, why: str) -> None:
+        self._leading = False
         log.error("no longer the leader: %s; serving nothing", why)
         self.leadership.step_down()
         self.events.emit("leader_lost", incarnation=self.incarnation, reason=why)
@@ -380,10 +395,10 @@ class Coordinator:
 
         @web.middleware
         async def leading_only(request, handler):
-            if not self.leadership.is_leader() and request.path != "/metrics":
+            if not self._serving() and request.path != "/metrics":
                 return self._not_leading(f"{self.leadership.me} is a candidate that does not lead")
             response = await handler(request)
-            if not self.leadership.is_leader() and request.path != "/metrics":
+            if not self._serving() and request.path != "/metrics":
                 # it lost the lead while the request waited: its answer may already be stale
                 return self._not_leading(f"{self.leadership.me} stopped leading")
             return response

@@ -452,6 +452,10 @@ class Launcher:
         return 1
 
     def _job_finished(self) -> bool:
+        """Whether the coordinator says the job finished (once seen, for good: under ``--ha`` the
+        launchers that end first take their etcd members with them)."""
+        if self._finished_at is not None:
+            return True
         try:
             return bool(self.client.status().get("finished"))
         except UnbrokenError:

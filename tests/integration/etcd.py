@@ -8,7 +8,9 @@ import os
 import shutil
 import socket
 import subprocess
+import json
 import time
+import urllib.request
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -84,13 +86,44 @@ class Cluster:
 
 
 @contextmanager
-def cluster(directory: str, size: int = 3, hosts: list[str] | None = None, popen=subprocess.Popen) -> Iterator[Cluster]:
+def cluster(directory: str, size: int = 3, hosts: list[str] | None = None, popen_for=lambda index: subprocess.Popen) -> Iterator[Cluster]:
+    """A running cluster, stopped in every outcome; ``popen_for(i)`` starts member i (in a test host)."""
     made = Cluster(directory, size, hosts)
     try:
         for i in range(size):
-            made.start(i, popen=popen)
+            made.start(i, popen=popen_for(i))
         made.wait_healthy()
         yield made
     finally:
         for i in range(size):
             made.stop(i)
+
+
+def _post(endpoint: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://{endpoint}/v3/{path}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        return json.loads(reply.read())
+
+
+def leader_index(endpoints: list[str]) -> int:
+    """Which member leads etcd's own Raft group."""
+    for endpoint in endpoints:
+        try:
+            status = _post(endpoint, "maintenance/status", {})
+        except OSError:
+            continue
+        ids = [_post(e, "maintenance/status", {})["header"]["member_id"] for e in endpoints]
+        return ids.index(status["leader"])
+    raise AssertionError("no etcd member answered")
+
+
+def move_leader(endpoints: list[str], to: int, timeout: float = 20.0) -> None:
+    """Make member ``to`` etcd's Raft leader (so that one host holds both leaders)."""
+    deadline = time.monotonic() + timeout
+    while (current := leader_index(endpoints)) != to:
+        assert time.monotonic() < deadline, f"etcd leadership did not move to member {to}"
+        target = _post(endpoints[to], "maintenance/status", {})["header"]["member_id"]
+        try:
+            _post(endpoints[current], "maintenance/transfer-leadership", {"targetID": target})
+        except OSError:
+            time.sleep(0.2)

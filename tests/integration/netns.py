@@ -37,6 +37,9 @@ class Hosts:
         self.links = [f"{tag}v{i}" for i in range(count)]
         subnet = 10 + os.getpid() % 200
         self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(count)]
+        self.bridge_address = f"10.213.{subnet}.254"
+        """The test process's own address on the bridge: it can reach every host (to probe etcd
+        or a coordinator); a cut host is cut off from it too."""
 
     def _ip(self, *args: str, ns: str | None = None) -> None:
         cmd = (["ip", "netns", "exec", ns] if ns else []) + ["ip", *args]
@@ -45,6 +48,7 @@ class Hosts:
     def create(self) -> None:
         self._ip("link", "add", self.bridge, "type", "bridge")
         self._ip("link", "set", self.bridge, "up")
+        self._ip("addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
         for ns, link, address in zip(self.names, self.links, self.addresses):
             subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
             self._ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -69,9 +73,23 @@ class Hosts:
     def restore_route(self, index: int, to: int) -> None:
         self._ip("route", "del", "blackhole", f"{self.addresses[to]}/32", ns=self.names[index])
 
-    def popen(self, index: int, argv: list[str], **kwargs) -> subprocess.Popen:
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
+    def popen(self, index: int, argv: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        env = dict(env or os.environ, GLOO_SOCKET_IFNAME="eth0")
+        kwargs.pop("start_new_session", None)  # always a session of its own
         return subprocess.Popen(["ip", "netns", "exec", self.names[index], *argv], env=env, start_new_session=True, **kwargs)
+
+    def pids(self, index: int) -> list[int]:
+        """Every process running in host ``index``."""
+        out = subprocess.run(["ip", "netns", "pids", self.names[index]], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def signal_all(self, index: int, sig: int) -> None:
+        """Send ``sig`` to every process of host ``index`` (SIGKILL: the host is lost)."""
+        for pid in self.pids(index):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def destroy(self) -> None:
         for ns in self.names:
