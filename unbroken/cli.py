@@ -39,6 +39,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--coordinator", default=None, help="HOST:PORT of an external coordinator (default: start one here)")
     _flag(p, "--coordinator-host", default=None,
           help="address the embedded coordinator binds (default 127.0.0.1; with --etcd or --ha: 0.0.0.0, advertised as --node-name)")
+    _flag(p, "--coordinator-advertise", default=None,
+          help="with --etcd: the address other nodes reach this node's coordinator candidate and store at (default: --node-name)")
     _flag(p, "--coordinator-port", type=int, default=d["coordinator_port"].default, help="port of the embedded coordinator (default 0: any free)")
     _flag(p, "--node-name", default=None, help="name of this node (default: host name)")
     _flag(p, "--heartbeat-interval", type=float, default=d["heartbeat_interval"].default, help="seconds between heartbeats (default %(default)s)")
@@ -150,6 +152,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
             coordinator = f"{under_slurm.nodes[0]}:{port}"
     if etcd and host is None:
         host, advertise = "0.0.0.0", advertise or node
+    advertise = args.coordinator_advertise or advertise
     host = host or "127.0.0.1"
     return LaunchSettings(
         script=args.script,

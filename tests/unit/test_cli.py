@@ -21,6 +21,7 @@ RUN_FLAGS = [
     ["--run-dir", "--run_dir"],
     ["--coordinator"],
     ["--coordinator-host", "--coordinator_host"],
+    ["--coordinator-advertise", "--coordinator_advertise"],
     ["--coordinator-port", "--coordinator_port"],
     ["--node-name", "--node_name"],
     ["--heartbeat-interval", "--heartbeat_interval"],

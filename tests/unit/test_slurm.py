@@ -100,5 +100,7 @@ def test_ha_without_three_nodes_etcd_or_slurm_is_a_clear_error(tmp_path, monkeyp
 def test_etcd_outside_slurm_binds_every_interface_and_needs_a_job_id(tmp_path):
     settings = launch_settings(_args(tmp_path, "--etcd", "e1:2379,e2:2379", "--job-id", "j", "--node-name", "n1"), {})
     assert settings.coordinator_host == "0.0.0.0" and settings.coordinator_advertise == "n1" and settings.coordinator is None
+    pod = launch_settings(_args(tmp_path, "--etcd", "e1:2379", "--job-id", "j", "--coordinator-advertise", "10.0.0.7"), {})
+    assert pod.coordinator_advertise == "10.0.0.7" and pod.coordinator_host == "0.0.0.0"
     with pytest.raises(ConfigError, match="--job-id"):
         launch_settings(_args(tmp_path, "--etcd", "e1:2379"), {})
