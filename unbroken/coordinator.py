@@ -70,6 +70,9 @@ class CoordinatorSettings:
     """How often heartbeat deadlines are checked."""
     token: str | None = None
     """Shared secret every request must carry (``Authorization: Bearer TOKEN``); None: none."""
+    finished_memory: float = 60.0
+    """With etcd: how long the record that the job finished is kept (a leader taking over within
+    it does not start the job again; a launch under the same job id after it trains anew)."""
     rejoin_grace: float = 0.5
     """A candidate that takes over the lead forms its first generation once every member of the
     last one has rejoined, or after this many seconds with those that did (a lost host's members
@@ -96,8 +99,8 @@ class Coordinator:
         state is replicated in etcd; None for a coordinator on its own."""
         self._durable = 0
         """The newest generation known to be durable in etcd: members hear only of those."""
-        self._outcome: tuple[bool, str | None] = (False, None)
-        """(finished, failed) as last recorded in etcd."""
+        self._recorded_finished = False
+        """Whether this lead has recorded in etcd that the job finished."""
         self._leading = False
         """A candidate's state is its own lead's (taken over from etcd); False until then."""
         self._coordinators: list[str] = []
@@ -253,10 +256,9 @@ class Coordinator:
         if not self._serving():
             return
         generation, decision = self.state.maybe_form(time.monotonic())
-        outcome = (self.state.finished, self.state.failed)
-        if self.leadership is not None and outcome != self._outcome:
-            self._outcome = outcome
-            asyncio.get_running_loop().create_task(self._record_outcome(outcome))
+        if self.leadership is not None and self.state.finished and not self._recorded_finished:
+            self._recorded_finished = True
+            asyncio.get_running_loop().create_task(self._record_finished())
         if generation is not None:
             if self.leadership is not None:
                 asyncio.get_running_loop().create_task(self._make_durable(generation))
@@ -333,9 +335,9 @@ class Coordinator:
     async def _take_over(self) -> None:
         """Start leading from what etcd holds: generation numbers continue above the newest one,
         the first generation waits ``rejoin_grace`` at most for the last one's members, and a
-        finished or failed job stays so."""
+        job that has just finished stays so."""
         stored = await self.leadership.read("generation") or {}
-        outcome = await self.leadership.read("outcome") or {}
+        finished = bool(await self.leadership.read("finished"))
         settings = self.membership_settings
         if stored.get("members"):
             settings = dataclasses.replace(
@@ -343,9 +345,7 @@ class Coordinator:
             )
         self.state = Membership(settings)
         self.state.min_generation = int(stored.get("number", 0))
-        self.state.finished = bool(outcome.get("finished"))
-        self.state.failed = outcome.get("failed") or None
-        self._outcome = (self.state.finished, self.state.failed)
+        self.state.finished = self._recorded_finished = finished
         self._durable = self.state.min_generation
         self._coordinators = await self.leadership.candidates()
         self.incarnation = uuid.uuid4().hex[:12]
@@ -354,14 +354,16 @@ class Coordinator:
         self.events.emit("leader", incarnation=self.incarnation, generation=self._durable, address=self.leadership.me)
         self._bump()
 
-    async def _record_outcome(self, outcome: tuple[bool, str | None]) -> None:
-        """Make "finished" or "failed" durable, so that a later leader does not train on."""
+    async def _record_finished(self) -> None:
+        """Make "finished" durable for ``finished_memory`` seconds: a candidate that takes over
+        just as the job ends tells the remaining members and launchers so, instead of starting
+        it again. (A failed job is not recorded: launched again, it should train.)"""
         from unbroken.replicated import EtcdUnavailable, NotLeader
 
         try:
-            await self.leadership.guarded_put("outcome", {"finished": outcome[0], "failed": outcome[1]})
+            await self.leadership.guarded_put("finished", True, ttl=self.settings.finished_memory)
         except (NotLeader, EtcdUnavailable) as exc:
-            log.warning("could not record the job's outcome in etcd: %s", exc)
+            log.warning("could not record in etcd that the job finished: %s", exc)
 
     def _serving(self) -> bool:
         """Whether this coordinator answers: always when alone; a candidate only while it leads

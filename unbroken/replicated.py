@@ -7,7 +7,8 @@ uses), never home-made. What lives in etcd, under ``/unbroken/<job>/``:
 ``leader``       the leading candidate's address, attached to its etcd lease (gone when the
                  lease expires);
 ``generation``   the newest generation formed: ``{number, members, incarnation}``;
-``outcome``      once the job finished or failed: ``{finished, failed}``;
+``finished``     for a minute once the job finished, so that a leader taking over just then
+                 does not start it again (a later launch under the same job id trains anew);
 ``candidates/<address>``  every live candidate, attached to a lease of its own, so that members
                  that know one candidate learn all of them.
 
@@ -248,8 +249,9 @@ class Leadership:
         value, _ = await self.gateway.get(self.leader_key)
         return value
 
-    async def guarded_put(self, key: str, value: Any) -> None:
-        """Write ``value`` (JSON) under ``key`` only while this candidate holds the leader key.
+    async def guarded_put(self, key: str, value: Any, ttl: float | None = None) -> None:
+        """Write ``value`` (JSON) under ``key`` only while this candidate holds the leader key;
+        with ``ttl``, the key goes away after that many seconds.
 
         Raises :class:`NotLeader` when etcd refuses (a deposed leader), and steps down."""
         if not self.is_leader():
@@ -259,7 +261,8 @@ class Leadership:
                 {"key": _b64(self.leader_key), "result": "EQUAL", "target": "VALUE", "value": _b64(self.me)},
                 {"key": _b64(self.leader_key), "result": "EQUAL", "target": "LEASE", "lease": str(self.lease)},
             ],
-            [{"request_put": {"key": _b64(self.prefix + key), "value": _b64(json.dumps(value))}}],
+            [{"request_put": {"key": _b64(self.prefix + key), "value": _b64(json.dumps(value)),
+                              **({"lease": await self.gateway.grant(ttl)} if ttl else {})}}],
         )
         if not ok:
             self.step_down()
