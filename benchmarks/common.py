@@ -21,9 +21,9 @@ def nbytes(state: Any) -> int:
     return 0
 
 
-def seconds(values: list[float]) -> str:
+def seconds(values: list[float], digits: int = 2, unit: str = "s") -> str:
     """``median s (min – max)`` of a benchmark's trials."""
-    return f"{statistics.median(values):.2f} s ({min(values):.2f} – {max(values):.2f})"
+    return f"{statistics.median(values):.{digits}f} {unit} ({min(values):.{digits}f} – {max(values):.{digits}f})"
 
 
 def save_results(path: str, result: dict[str, Any]) -> None:

@@ -56,6 +56,8 @@ if args.mode == "unbroken":
         for xb, yb in step.micro_batches():
             step.backward(loss_fn(model(xb), yb))
         step.commit()
+        if step.index == 0:
+            print(f"FIRST_STEP_AT {time.time():.6f}", flush=True)
         now = time.perf_counter()
         if last is not None and step.index >= args.warmup and step.members == job.member_count:
             times.append(now - last)
@@ -74,6 +76,8 @@ else:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if s == 0:
+            print(f"FIRST_STEP_AT {time.time():.6f}", flush=True)
         now = time.perf_counter()
         if last is not None and s >= args.warmup:
             times.append(now - last)

@@ -4,7 +4,9 @@ The members exchange (next step, fresh, lineage digest); :func:`unbroken.healing
 source and the receivers, and the source sends its whole training state to each receiver over
 the new group (:mod:`unbroken.healing` holds the wire format). If nobody holds live state (the
 start of a job, or every holder died), the group's rank 0 first reads the newest checkpoint.
-Every member then reseeds its RNGs for itself, since healing copied the source's.
+Every member then reseeds its RNGs for itself, since healing copied the source's. When no member
+holds live state and every member built the same state (the same model from the same seed), no
+state is sent at all.
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ class Healer:
                 group.wait_flag("resume-read", "waiting for a checkpoint to be read")
             statuses = self._exchange_status(group)
         plan = healing.plan(statuses)
-        if plan.receivers:
+        if plan.receivers and all(fresh for _, fresh, _ in statuses) and self._same_fresh_state(group):
+            # Every member built its model from the same seed: nothing to copy (the start of a job)
+            job.fresh = False
+            log.info("%s: every member starts from the same state; no heal needed", job.member_id)
+        elif plan.receivers:
             self._transfer(group, plan)
         # Healing copied one member's RNG states to the others: give every member its own.
         seed_member(job.plan.seed, job.next_step, group.rank)
@@ -56,6 +62,12 @@ class Healer:
         row = torch.tensor([job.next_step, int(job.fresh), job._digest], dtype=torch.int64)
         table = group.allgather_rows(row, "state exchange")
         return [(int(step), bool(fresh), int(digest)) for step, fresh, digest in table.tolist()]
+
+    def _same_fresh_state(self, group: Any) -> bool:
+        """Whether every member, none of which holds live state, built bit for bit the same one."""
+        mine = healing.state_digest(self.job._state())
+        table = group.allgather_rows(torch.tensor([mine], dtype=torch.int64), "fresh state comparison")
+        return len(set(table.reshape(-1).tolist())) == 1
 
     def _transfer(self, group: Any, plan: Any) -> None:
         job = self.job

@@ -108,6 +108,38 @@ def lineage_digest(lineage: list[int]) -> int:
     return digest
 
 
+def state_digest(state: Any) -> int:
+    """A 63-bit digest of a training state's values (tensors bit for bit, the rest by value),
+    RNG states left out: members whose digests agree hold the same state, so a heal between them
+    would copy nothing (every member is reseeded after a heal anyway)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            h.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
+            if tensor.numel():
+                flat = tensor.cpu().contiguous().reshape(-1)
+                h.update(flat.view(torch.uint8).numpy().data if flat.dtype != torch.bool else flat.numpy().tobytes())
+        elif isinstance(value, dict):
+            h.update(b"D")
+            for key in sorted(value, key=repr):
+                if key != "rng":
+                    h.update(repr(key).encode())
+                    walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            h.update(b"L")
+            for item in value:
+                walk(item)
+        else:
+            h.update(repr(value).encode())
+
+    walk(state)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     import sys

@@ -531,3 +531,23 @@ def test_the_rng_state_is_plain_data_and_round_trips_numpy_too():
     assert isinstance(state["numpy"][1], list)
     healing.set_rng_state(state)
     assert (numpy.random.rand(3) == expected).all()
+
+
+def test_state_digest_is_equal_for_equal_states_whatever_their_rng_and_differs_on_one_bit():
+    def state(seed: int, noise: float = 0.0):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        with torch.no_grad():
+            model[0].weight[0, 0] += noise
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "runtime": {"next_step": 0}, "rng": healing.rng_state()}
+
+    a, b = state(0), state(0)
+    torch.randn(5)  # another RNG position: not part of the digest
+    b["rng"] = healing.rng_state()
+    assert healing.state_digest(a) == healing.state_digest(b)
+    assert healing.state_digest(a) != healing.state_digest(state(0, noise=1e-7))
+    assert healing.state_digest(a) != healing.state_digest(state(1))
+    assert healing.state_digest({"x": torch.zeros(2)}) != healing.state_digest({"x": torch.zeros(2, dtype=torch.float64)})
+    assert healing.state_digest({"x": torch.zeros(2)}) != healing.state_digest({"x": torch.zeros(1, 2)})
+    assert 0 <= healing.state_digest(a) < 2**63
