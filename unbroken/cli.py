@@ -7,10 +7,10 @@ import argparse
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from unbroken.launcher import LaunchSettings
+    from unbroken.launch_settings import LaunchSettings
 
 from unbroken.errors import ConfigError, UnbrokenError
 
@@ -24,10 +24,23 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from unbroken.launcher import LaunchSettings
+    from unbroken.launch_settings import LaunchSettings
 
     d = LaunchSettings.__dataclass_fields__
     p = sub.add_parser("run", help="run a training script on this node, surviving worker failures")
+    # in this order in the help and the CLI reference
+    _add_run_workers(p, d)
+    _add_run_coordinator(p, d)
+    _add_run_checkpoints(p, d)
+    _add_run_membership(p, d)
+    _add_run_supervision(p, d)
+    _add_run_replication(p, d)
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_run_workers(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
+    """The worker slots of this node and their restart budget; where the run goes."""
     _flag(p, "--nproc-per-node", type=str, default="1", help="worker processes on this node (default 1)")
     _flag(p, "--max-restarts", type=int, default=d["max_restarts"].default,
           help="restarts per worker slot within --restart-window; one failure more quarantines the slot (default %(default)s)")
@@ -36,6 +49,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--quarantine-cooloff", type=float, default=d["quarantine_cooloff"].default,
           help="seconds a quarantined slot is not started; then it starts again with a fresh budget (default %(default)s)")
     _flag(p, "--run-dir", default=None, help="logs and events go here (default unbroken-runs/<time>-<pid>)")
+
+
+def _add_run_coordinator(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
+    """Which coordinator, this node's name in it, and the timings of liveness."""
     _flag(p, "--coordinator", default=None, help="HOST:PORT of an external coordinator (default: start one here)")
     _flag(p, "--coordinator-host", default=None,
           help="address the embedded coordinator binds (default 127.0.0.1; with --etcd or --ha: 0.0.0.0, advertised as --node-name)")
@@ -46,9 +63,17 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     _flag(p, "--heartbeat-interval", type=float, default=d["heartbeat_interval"].default, help="seconds between heartbeats (default %(default)s)")
     _flag(p, "--heartbeat-timeout", type=float, default=d["heartbeat_timeout"].default, help="silence that declares a worker dead (default %(default)s)")
     _flag(p, "--collective-timeout", type=float, default=d["collective_timeout"].default, help="longest wait of one collective (default %(default)s)")
+
+
+def _add_run_checkpoints(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
+    """Durable checkpoints."""
     _flag(p, "--checkpoint-dir", default=None, help="durable checkpoints: a directory or fsspec URL such as s3://bucket/run (default: none)")
     _flag(p, "--checkpoint-every", default=None, help="save every N steps, or 'auto' (Young/Daly interval) (default: never)")
     _flag(p, "--checkpoint-keep", type=int, default=d["checkpoint_keep"].default, help="complete checkpoints to keep (default %(default)s)")
+
+
+def _add_run_membership(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
+    """How many workers a generation takes, and how long the coordinator waits for them."""
     _flag(p, "--nnodes", default=None, help="MIN:MAX nodes (torchrun spelling); sets --min-members/--max-members to MIN*N/MAX*N")
     _flag(p, "--min-members", type=int, default=d["min_members"].default, help="no generation below this many workers (default %(default)s)")
     _flag(p, "--max-members", type=int, default=None, help="at most this many workers in a generation (default: no limit)")
@@ -58,6 +83,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
           help="the same for a worker's first step (compilation, loading) (default %(default)s)")
     _flag(p, "--quorum-timeout", type=float, default=d["quorum_timeout"].default, help="fail if below --min-members this long (default %(default)s)")
     _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
+
+
+def _add_run_supervision(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
+    """Restart delays, shutdown, the console, fault injection and the sample record."""
     _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default,
           help="restart delay after a slot's first failure within the window; doubles with each further one (default %(default)s)")
     _flag(p, "--max-restart-backoff", type=float, default=d["max_restart_backoff"].default, help="upper bound of the restart delay (default %(default)s)")
@@ -69,6 +98,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
     _flag(p, "--record-samples", action="store_true", help="log every step's sample positions under the run directory")
+
+
+def _add_run_replication(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
+    """The token, and the replicated coordinator over etcd."""
     _flag(p, "--token", default=None,
           help="shared secret for the coordinator (default: $UNBROKEN_TOKEN; the embedded coordinator makes one up"
           " and writes it to RUN_DIR/coordinator.json)")
@@ -82,8 +115,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
           help="under SLURM: the first three nodes each run an etcd member, every node a coordinator candidate;"
           " needs 3 or more nodes and the etcd binary on PATH")
     _flag(p, "--etcd-port", type=int, default=2379, help="with --ha: etcd's client port; the peer port is the next (default %(default)s)")
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def _positive_int(flag: str, text: str) -> int:
@@ -120,40 +151,14 @@ def _nnodes(text: str, nproc: int) -> tuple[int, int | None]:
 
 def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "LaunchSettings":
     """The launcher's settings from the flags, completed from SLURM's environment under srun."""
-    import socket
-
-    from unbroken import slurm
-    from unbroken.launcher import LaunchSettings
+    from unbroken.launch_settings import LaunchSettings
+    from unbroken.placement import placement
 
     nproc = _positive_int("--nproc-per-node", args.nproc_per_node)
     min_members, max_members = args.min_members, args.max_members
     if args.nnodes:
         min_members, max_members = _nnodes(args.nnodes, nproc)
-    coordinator, host, port = args.coordinator, args.coordinator_host, args.coordinator_port
-    node, advertise, expected = args.node_name or socket.gethostname(), None, None
-    etcd, job_id, etcd_member = args.etcd, args.job_id, None
-    under_slurm = slurm.from_env(env) if args.coordinator is None or args.ha else None
-    if args.ha and under_slurm is None:
-        raise ConfigError("--ha works under SLURM (srun); elsewhere run an etcd cluster and pass --etcd HOST:PORT,... --job-id J")
-    if under_slurm is not None:
-        node = args.node_name or under_slurm.node
-        port = args.coordinator_port or under_slurm.port  # the same on every node
-        if args.ha:
-            etcd, job_id, etcd_member = slurm.ha_plan(under_slurm, env, args.etcd_port)
-            job_id = args.job_id or job_id
-            coordinator = ",".join(f"{n}:{port}" for n in under_slurm.nodes)  # every node runs a candidate
-            host, advertise = host or "0.0.0.0", under_slurm.nodes[under_slurm.node_index]
-            expected = len(under_slurm.nodes) * nproc
-        elif under_slurm.hosts_coordinator:
-            host = "0.0.0.0"
-            advertise = under_slurm.nodes[0]
-            expected = len(under_slurm.nodes) * nproc
-        else:
-            coordinator = f"{under_slurm.nodes[0]}:{port}"
-    if etcd and host is None:
-        host, advertise = "0.0.0.0", advertise or node
-    advertise = args.coordinator_advertise or advertise
-    host = host or "127.0.0.1"
+    place = placement(args, env, nproc)
     return LaunchSettings(
         script=args.script,
         script_args=tuple(args.script_args),
@@ -165,12 +170,12 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         max_restart_backoff=args.max_restart_backoff,
         shutdown_grace=args.shutdown_grace,
         run_dir=args.run_dir,
-        coordinator=coordinator,
-        coordinator_host=host,
-        coordinator_port=port,
-        coordinator_advertise=advertise,
-        expected_members=expected,
-        node=node,
+        coordinator=place.coordinator,
+        coordinator_host=place.host,
+        coordinator_port=place.port,
+        coordinator_advertise=place.advertise,
+        expected_members=place.expected,
+        node=place.node,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
         collective_timeout=args.collective_timeout,
@@ -179,10 +184,10 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         chaos=args.chaos,
         record_samples=args.record_samples,
         token=args.token or env.get("UNBROKEN_TOKEN") or None,
-        etcd=etcd,
-        job_id=job_id,
+        etcd=place.etcd,
+        job_id=place.job_id,
         leader_lease=args.leader_lease,
-        etcd_member=etcd_member,
+        etcd_member=place.etcd_member,
         min_members=min_members,
         max_members=max_members,
         checkpoint_dir=args.checkpoint_dir,
