@@ -29,24 +29,28 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
                             seconds left).
 ``GET /metrics``            Prometheus metrics (:mod:`unbroken.metrics`).
 ==========================  ======================================================================
+
+This module holds :class:`Coordinator`'s lifecycle (the store, the HTTP server, the thread it
+runs on) and its state changes (forming generations, waking long polls, the deadlines). The
+request handlers are :mod:`unbroken.coordinator_api`; a replicated candidate's leadership rounds
+are :mod:`unbroken.leading`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import uuid
-import hmac
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from unbroken.coordinator_api import CoordinatorApi
 from unbroken.errors import ConfigError
-from unbroken.membership import Membership, MembershipSettings, MemberState
+from unbroken.leading import Leading
+from unbroken.membership import Membership, MembershipSettings
 from unbroken.telemetry import EventLog
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,7 @@ class CoordinatorSettings:
     one that is later joins the next generation."""
 
 
-class Coordinator:
+class Coordinator(CoordinatorApi, Leading):
     """Serves the membership API and hosts the TCPStore. Start with :meth:`start_in_thread`
     (embedded) or :meth:`serve_forever` (standalone)."""
 
@@ -300,338 +304,3 @@ class Coordinator:
             if self.state.failed and not failed_before:
                 log.error("job failed: %s", self.state.failed)
                 self.events.emit("job_failed", reason=self.state.failed)
-
-    # -- leadership (replicated state in etcd) -----------------------------------------------------
-
-    async def _lead(self) -> None:
-        """Look for a free leader key every ``poll`` seconds until this candidate leads; then
-        renew its lease every third of it, and step down (serving nothing) the moment it cannot.
-        Each time it starts to lead it starts afresh: a new incarnation and an empty membership
-        that its members' rejoins fill, with generation numbers continuing from etcd."""
-        from unbroken.replicated import EtcdUnavailable
-
-        leadership = self.leadership
-        settings = leadership.settings
-        registered_at = -float("inf")
-        while True:
-            try:
-                if time.monotonic() - registered_at >= settings.registration / 3:
-                    await leadership.register()
-                    self._coordinators = await leadership.candidates()
-                    registered_at = time.monotonic()
-                if not leadership.is_leader():
-                    self._leading = False  # whatever it held from an earlier lead is stale
-                    if await leadership.campaign_if_free():
-                        await self._take_over()
-                elif not await leadership.renew():
-                    self._deposed("its etcd lease could not be renewed")
-            except EtcdUnavailable as exc:
-                if not leadership.is_leader():
-                    log.debug("campaign failed: %s", exc)
-            except Exception:  # the campaign must go on whatever one round does
-                log.exception("leadership round failed")
-            await asyncio.sleep(settings.lease / 3 if leadership.is_leader() else settings.poll)
-
-    async def _take_over(self) -> None:
-        """Start leading from what etcd holds: generation numbers continue above the newest one,
-        the first generation waits ``rejoin_grace`` at most for the last one's members, and a
-        job that has just finished stays so."""
-        stored = await self.leadership.read("generation") or {}
-        finished = bool(await self.leadership.read("finished"))
-        settings = self.membership_settings
-        if stored.get("members"):
-            settings = dataclasses.replace(
-                settings, expected_members=len(stored["members"]), start_grace=self.settings.rejoin_grace
-            )
-        self.state = Membership(settings)
-        self.state.min_generation = int(stored.get("number", 0))
-        self.state.finished = self._recorded_finished = finished
-        self._durable = self.state.min_generation
-        self._coordinators = await self.leadership.candidates()
-        self.incarnation = uuid.uuid4().hex[:12]
-        self._leading = True
-        log.warning("now leading (incarnation %s); generations continue above %d", self.incarnation, self._durable)
-        self.events.emit("leader", incarnation=self.incarnation, generation=self._durable, address=self.leadership.me)
-        self._bump()
-
-    async def _record_finished(self) -> None:
-        """Make "finished" durable for ``finished_memory`` seconds: a candidate that takes over
-        just as the job ends tells the remaining members and launchers so, instead of starting
-        it again. (A failed job is not recorded: launched again, it should train.)"""
-        from unbroken.replicated import EtcdUnavailable, NotLeader
-
-        try:
-            await self.leadership.guarded_put("finished", True, ttl=self.settings.finished_memory)
-        except (NotLeader, EtcdUnavailable) as exc:
-            log.warning("could not record in etcd that the job finished: %s", exc)
-
-    def _serving(self) -> bool:
-        """Whether this coordinator answers: always when alone; a candidate only while it leads
-        by its own clock and has rebuilt its state from etcd since it started leading."""
-        return self.leadership is None or (self._leading and self.leadership.is_leader())
-
-    def _deposed(self, why: str) -> None:
-        self._leading = False
-        log.error("no longer the leader: %s; serving nothing", why)
-        self.leadership.step_down()
-        self.events.emit("leader_lost", incarnation=self.incarnation, reason=why)
-        self._wake_all()  # long polls end (with 503) instead of answering from a stale state
-
-    async def _make_durable(self, generation: Any) -> None:
-        """Write a formed generation to etcd, guarded by the leader key, before any member hears
-        of it; a refused write deposes this leader."""
-        from unbroken.replicated import EtcdUnavailable, NotLeader
-
-        record = {"number": generation.number, "members": list(generation.members), "incarnation": self.incarnation}
-        try:
-            await self.leadership.guarded_put("generation", record)
-        except (NotLeader, EtcdUnavailable) as exc:
-            self._deposed(f"generation {generation.number} could not be made durable: {exc}")
-            return
-        self._durable = max(self._durable, generation.number)
-        self._wake_all()
-
-    @property
-    def _leading_only(self):
-        from aiohttp import web
-
-        @web.middleware
-        async def leading_only(request, handler):
-            if not self._serving() and request.path != "/metrics":
-                return self._not_leading(f"{self.leadership.me} is a candidate that does not lead")
-            response = await handler(request)
-            if not self._serving() and request.path != "/metrics":
-                # it lost the lead while the request waited: its answer may already be stale
-                return self._not_leading(f"{self.leadership.me} stopped leading")
-            return response
-
-        return leading_only
-
-    def _not_leading(self, why: str):
-        """503, with where the leader is (as far as this candidate knows): members go there."""
-        from aiohttp import web
-
-        hint = self.leadership.known_leader
-        return web.json_response(
-            {"error": why, "leader": hint if hint != self.leadership.me else None, "coordinators": self._coordinators},
-            status=503,
-        )
-
-    # -- handlers ------------------------------------------------------------------------------
-
-    @property
-    def _authenticate(self):
-        from aiohttp import web
-
-        expected = f"Bearer {self.settings.token}".encode()
-
-        @web.middleware
-        async def authenticate(request, handler):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return web.json_response(
-                    {"error": "missing or wrong token: pass --token or set UNBROKEN_TOKEN to the job's token"}, status=401
-                )
-            return await handler(request)
-
-        return authenticate
-
-    async def _json(self, request) -> dict[str, Any]:
-        body = await request.json()
-        if not isinstance(body, dict) or not isinstance(body.get("member", ""), str):
-            from aiohttp import web
-
-            raise web.HTTPBadRequest(text="expected a JSON object with a string 'member'")
-        return body
-
-    def _reply(self, payload: dict[str, Any]):
-        from aiohttp import web
-
-        return web.json_response(payload)
-
-    async def _join(self, request):
-        body = await self._json(request)
-        member_id = body["member"]
-        refusal = self._refusal(member_id)
-        if refusal is not None:
-            return self._reply({"status": "refused", "reason": refusal})
-        mismatch = self._mismatch(member_id, body.get("preflight"))
-        if mismatch is not None:
-            return self._reply({"status": "mismatch", "reason": mismatch})
-        after = int(body.get("after", 0))
-        self.state.min_generation = max(self.state.min_generation, after)
-        warm = bool(body.get("warm", True))
-        if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
-            self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
-            self._bump()
-        deadline = time.monotonic() + self.settings.hold
-        while True:
-            current = self.state.current
-            member = self.state.members[member_id]
-            durable = self.leadership is None or (current is not None and current.number <= self._durable)
-            if current is not None and durable and current.number > after and member_id in current.members and member.state is MemberState.ACTIVE:
-                return self._reply(
-                    {
-                        "status": "formed",
-                        "incarnation": self.incarnation,
-                        "generation": current.number,
-                        "members": list(current.members),
-                        "rank": current.members.index(member_id),
-                        "prefix": current.prefix,
-                        "store_host": self.settings.advertise_host or self.settings.host,
-                        "store_port": self.store_port,
-                        **({"coordinators": self._coordinators} if self._coordinators else {}),
-                    }
-                )
-            if self.state.finished:
-                return self._reply({"status": "finished"})
-            if self.state.failed:
-                return self._reply({"status": "failed", "reason": self.state.failed})
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return self._reply({"status": "wait"})
-            await self._wait_change(remaining)
-
-    async def _heartbeat(self, request):
-        body = await self._json(request)
-        member_id = body["member"]
-        seen = body.get("seen") or {}
-        deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
-        progress = body.get("progress")
-        self.state.heartbeat(
-            member_id,
-            body.get("step"),
-            time.monotonic(),
-            body.get("blocked_on"),
-            progress=int(progress) if isinstance(progress, int) else None,
-            busy=body.get("busy") or None,
-            warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
-        )
-        while True:
-            view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
-            remaining = deadline - time.monotonic()
-            if view != seen or remaining <= 0:
-                return self._reply(view)
-            await self._wait_change(remaining)
-
-    async def _failure(self, request):
-        body = await self._json(request)
-        generation = int(body.get("generation", 0))
-        if self.state.report_failure(body["member"], generation, time.monotonic()):
-            log.warning("generation %d broken: %s reported %s", generation, body["member"], body.get("error"))
-            self.events.emit("failure", member=body["member"], generation=generation, detected_by="collective", error=body.get("error"))
-            self.metrics.failure("collective")
-            self._bump()
-        return self._reply({"ok": True})
-
-    async def _exit(self, request):
-        body = await self._json(request)
-        member_id = body["member"]
-        reason = str(body.get("reason", "exited"))
-        if self.state.mark_dead(member_id, reason, time.monotonic()):
-            log.warning("member %s exited: %s", member_id, reason)
-            self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason)
-            self.metrics.failure("launcher")
-        self._bump()
-        return self._reply({"ok": True})
-
-    async def _leave(self, request):
-        body = await self._json(request)
-        if self.state.leave(body["member"], bool(body.get("finished")), int(body.get("step", 0)), time.monotonic()):
-            if body.get("finished"):
-                self.events.emit("finished", member=body["member"], step=int(body.get("step", 0)))
-            self._bump()
-        return self._reply({"ok": True})
-
-    async def _quarantine(self, request):
-        from aiohttp import web
-
-        body = await self._json(request)
-        prefix = body.get("prefix")
-        seconds = body.get("seconds")
-        if (
-            not isinstance(prefix, str)
-            or not prefix
-            or isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
-            or not math.isfinite(seconds)
-        ):
-            raise web.HTTPBadRequest(text="expected {prefix: non-empty string, seconds: number, reason}")
-        if seconds > 0:
-            self._quarantined[prefix] = time.monotonic() + seconds
-            log.warning("slot %s quarantined for %g s: %s", prefix, seconds, body.get("reason"))
-        elif self._quarantined.pop(prefix, None) is not None:
-            log.info("slot %s is no longer quarantined", prefix)
-        return self._reply({"ok": True})
-
-    def _mismatch(self, member_id: str, preflight: Any) -> str | None:
-        """Why a joining member does not match the job (None if it does). The reference is the
-        first member's preflight, kept while any member lives; it names each difference."""
-        if not isinstance(preflight, dict):
-            return None
-        mine = {str(k): str(v) for k, v in preflight.items()}
-        if self._reference is None or self.state.live_count() == 0:
-            self._reference = mine
-            return None
-        reference = self._reference
-        differences = [
-            f"{key}: {mine.get(key, 'missing')} here, {reference.get(key, 'missing')} in the job"
-            for key in sorted(set(reference) | set(mine))
-            if reference.get(key) != mine.get(key)
-        ]
-        if not differences:
-            return None
-        reason = "; ".join(differences)
-        log.error("member %s refused: it does not match the job: %s", member_id, reason)
-        self.events.emit("refused", member=member_id, reason=reason)
-        return reason
-
-    def _refusal(self, member_id: str) -> str | None:
-        """Why a member may not join (its slot is quarantined), or None; forgets expired entries."""
-        now = time.monotonic()
-        for prefix, until in list(self._quarantined.items()):
-            if until <= now:
-                del self._quarantined[prefix]
-            elif member_id.startswith(prefix):
-                return f"its slot {prefix} is quarantined for {until - now:.0f} s more"
-        return None
-
-    def _quarantine_left(self) -> dict[str, float]:
-        now = time.monotonic()
-        return {prefix: round(until - now, 1) for prefix, until in self._quarantined.items() if until > now}
-
-    async def _metrics(self, request):
-        from aiohttp import web
-
-        from unbroken.metrics import CONTENT_TYPE
-
-        return web.Response(body=self.metrics.render(self.state), headers={"Content-Type": CONTENT_TYPE})
-
-    async def _status(self, request):
-        now = time.monotonic()
-        current = self.state.current
-        return self._reply(
-            {
-                "incarnation": self.incarnation,
-                "generation": current.number if current else 0,
-                "generation_members": list(current.members) if current else [],
-                "broken": self.state.view_for("")["broken"],
-                "finished": self.state.finished,
-                "failed": self.state.failed,
-                "committed_step": self.state.committed_step(),
-                "live": self.state.live_count(),
-                "quarantined": self._quarantine_left(),
-                **({"coordinators": self._coordinators} if self._coordinators else {}),
-                "members": [
-                    {
-                        "member": m.id,
-                        "node": m.node,
-                        "state": m.state.value,
-                        "step": m.step,
-                        "heartbeat_age": round(now - m.last_heartbeat, 3),
-                        "reason": m.death_reason,
-                    }
-                    for m in self.state.members.values()
-                ],
-            }
-        )

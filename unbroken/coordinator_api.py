@@ -1,0 +1,261 @@
+"""The coordinator's HTTP handlers: the requests of its API (the table in :mod:`unbroken.coordinator`).
+
+Each handler reads a JSON body, applies it to the membership state (the decisions are
+:mod:`unbroken.membership`'s) and answers; ``join`` and ``heartbeat`` are long polls that answer
+as soon as their answer changes, or after ``hold`` seconds. A member is refused while its slot
+is quarantined, or when its preflight does not match the job's.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
+
+from unbroken.membership import MemberState
+
+if TYPE_CHECKING:
+    from unbroken.coordinator import CoordinatorSettings
+    from unbroken.membership import Membership
+    from unbroken.metrics import CoordinatorMetrics
+    from unbroken.telemetry import EventLog
+
+log = logging.getLogger("unbroken.coordinator")  # moved out of the coordinator; its messages keep their logger
+
+
+class CoordinatorApi:
+    """The request handlers of :class:`~unbroken.coordinator.Coordinator`, which it is a base of,
+    on the coordinator's own state."""
+
+    settings: CoordinatorSettings
+    state: Membership
+    leadership: Any
+    events: EventLog
+    metrics: CoordinatorMetrics
+    incarnation: str
+    store_port: int | None
+    _durable: int
+    _coordinators: list[str]
+    _reference: dict[str, str] | None
+    _quarantined: dict[str, float]
+    _bump: Callable[[], None]
+    _wait_change: Callable[[float], Coroutine[Any, Any, None]]
+
+    @property
+    def _authenticate(self):
+        from aiohttp import web
+
+        expected = f"Bearer {self.settings.token}".encode()
+
+        @web.middleware
+        async def authenticate(request, handler):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response(
+                    {"error": "missing or wrong token: pass --token or set UNBROKEN_TOKEN to the job's token"}, status=401
+                )
+            return await handler(request)
+
+        return authenticate
+
+    async def _json(self, request) -> dict[str, Any]:
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("member", ""), str):
+            from aiohttp import web
+
+            raise web.HTTPBadRequest(text="expected a JSON object with a string 'member'")
+        return body
+
+    def _reply(self, payload: dict[str, Any]):
+        from aiohttp import web
+
+        return web.json_response(payload)
+
+    async def _join(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        refusal = self._refusal(member_id)
+        if refusal is not None:
+            return self._reply({"status": "refused", "reason": refusal})
+        mismatch = self._mismatch(member_id, body.get("preflight"))
+        if mismatch is not None:
+            return self._reply({"status": "mismatch", "reason": mismatch})
+        after = int(body.get("after", 0))
+        self.state.min_generation = max(self.state.min_generation, after)
+        warm = bool(body.get("warm", True))
+        if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
+            self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
+            self._bump()
+        deadline = time.monotonic() + self.settings.hold
+        while True:
+            current = self.state.current
+            member = self.state.members[member_id]
+            durable = self.leadership is None or (current is not None and current.number <= self._durable)
+            if current is not None and durable and current.number > after and member_id in current.members and member.state is MemberState.ACTIVE:
+                return self._reply(
+                    {
+                        "status": "formed",
+                        "incarnation": self.incarnation,
+                        "generation": current.number,
+                        "members": list(current.members),
+                        "rank": current.members.index(member_id),
+                        "prefix": current.prefix,
+                        "store_host": self.settings.advertise_host or self.settings.host,
+                        "store_port": self.store_port,
+                        **({"coordinators": self._coordinators} if self._coordinators else {}),
+                    }
+                )
+            if self.state.finished:
+                return self._reply({"status": "finished"})
+            if self.state.failed:
+                return self._reply({"status": "failed", "reason": self.state.failed})
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self._reply({"status": "wait"})
+            await self._wait_change(remaining)
+
+    async def _heartbeat(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        seen = body.get("seen") or {}
+        deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
+        progress = body.get("progress")
+        self.state.heartbeat(
+            member_id,
+            body.get("step"),
+            time.monotonic(),
+            body.get("blocked_on"),
+            progress=int(progress) if isinstance(progress, int) else None,
+            busy=body.get("busy") or None,
+            warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
+        )
+        while True:
+            view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
+            remaining = deadline - time.monotonic()
+            if view != seen or remaining <= 0:
+                return self._reply(view)
+            await self._wait_change(remaining)
+
+    async def _failure(self, request):
+        body = await self._json(request)
+        generation = int(body.get("generation", 0))
+        if self.state.report_failure(body["member"], generation, time.monotonic()):
+            log.warning("generation %d broken: %s reported %s", generation, body["member"], body.get("error"))
+            self.events.emit("failure", member=body["member"], generation=generation, detected_by="collective", error=body.get("error"))
+            self.metrics.failure("collective")
+            self._bump()
+        return self._reply({"ok": True})
+
+    async def _exit(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        reason = str(body.get("reason", "exited"))
+        if self.state.mark_dead(member_id, reason, time.monotonic()):
+            log.warning("member %s exited: %s", member_id, reason)
+            self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason)
+            self.metrics.failure("launcher")
+        self._bump()
+        return self._reply({"ok": True})
+
+    async def _leave(self, request):
+        body = await self._json(request)
+        if self.state.leave(body["member"], bool(body.get("finished")), int(body.get("step", 0)), time.monotonic()):
+            if body.get("finished"):
+                self.events.emit("finished", member=body["member"], step=int(body.get("step", 0)))
+            self._bump()
+        return self._reply({"ok": True})
+
+    async def _quarantine(self, request):
+        from aiohttp import web
+
+        body = await self._json(request)
+        prefix = body.get("prefix")
+        seconds = body.get("seconds")
+        if (
+            not isinstance(prefix, str)
+            or not prefix
+            or isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+        ):
+            raise web.HTTPBadRequest(text="expected {prefix: non-empty string, seconds: number, reason}")
+        if seconds > 0:
+            self._quarantined[prefix] = time.monotonic() + seconds
+            log.warning("slot %s quarantined for %g s: %s", prefix, seconds, body.get("reason"))
+        elif self._quarantined.pop(prefix, None) is not None:
+            log.info("slot %s is no longer quarantined", prefix)
+        return self._reply({"ok": True})
+
+    def _mismatch(self, member_id: str, preflight: Any) -> str | None:
+        """Why a joining member does not match the job (None if it does). The reference is the
+        first member's preflight, kept while any member lives; it names each difference."""
+        if not isinstance(preflight, dict):
+            return None
+        mine = {str(k): str(v) for k, v in preflight.items()}
+        if self._reference is None or self.state.live_count() == 0:
+            self._reference = mine
+            return None
+        reference = self._reference
+        differences = [
+            f"{key}: {mine.get(key, 'missing')} here, {reference.get(key, 'missing')} in the job"
+            for key in sorted(set(reference) | set(mine))
+            if reference.get(key) != mine.get(key)
+        ]
+        if not differences:
+            return None
+        reason = "; ".join(differences)
+        log.error("member %s refused: it does not match the job: %s", member_id, reason)
+        self.events.emit("refused", member=member_id, reason=reason)
+        return reason
+
+    def _refusal(self, member_id: str) -> str | None:
+        """Why a member may not join (its slot is quarantined), or None; forgets expired entries."""
+        now = time.monotonic()
+        for prefix, until in list(self._quarantined.items()):
+            if until <= now:
+                del self._quarantined[prefix]
+            elif member_id.startswith(prefix):
+                return f"its slot {prefix} is quarantined for {until - now:.0f} s more"
+        return None
+
+    def _quarantine_left(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {prefix: round(until - now, 1) for prefix, until in self._quarantined.items() if until > now}
+
+    async def _metrics(self, request):
+        from aiohttp import web
+
+        from unbroken.metrics import CONTENT_TYPE
+
+        return web.Response(body=self.metrics.render(self.state), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _status(self, request):
+        now = time.monotonic()
+        current = self.state.current
+        return self._reply(
+            {
+                "incarnation": self.incarnation,
+                "generation": current.number if current else 0,
+                "generation_members": list(current.members) if current else [],
+                "broken": self.state.view_for("")["broken"],
+                "finished": self.state.finished,
+                "failed": self.state.failed,
+                "committed_step": self.state.committed_step(),
+                "live": self.state.live_count(),
+                "quarantined": self._quarantine_left(),
+                **({"coordinators": self._coordinators} if self._coordinators else {}),
+                "members": [
+                    {
+                        "member": m.id,
+                        "node": m.node,
+                        "state": m.state.value,
+                        "step": m.step,
+                        "heartbeat_age": round(now - m.last_heartbeat, 3),
+                        "reason": m.death_reason,
+                    }
+                    for m in self.state.members.values()
+                ],
+            }
+        )
