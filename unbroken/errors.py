@@ -41,3 +41,18 @@ class LoopMisuse(UnbrokenError, RuntimeError):
     """The training loop broke a rule of :class:`~unbroken.Step` (backward not called once per
     micro-batch, gradients computed outside ``step.backward``): its gradients would be wrong or
     depend on the number of members, so the step is refused instead of applied."""
+
+
+class SampleError(UnbrokenError, RuntimeError):
+    """A sample of the data set could not be loaded (its ``__getitem__`` raised), or a
+    micro-batch could not be collated. The message names the data set index, the sample's stream
+    position and the step; the attributes hold them (``index`` and ``position`` are None when
+    collating failed). Not retried: the same sample would fail again, and leaving it out would
+    break exactly-once. The worker process ends with the error, like any exception in the script
+    (see docs/guide/input-pipelines.md for the exit status)."""
+
+    def __init__(self, message: str, step: int | None = None, index: int | None = None, position: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.index = index
+        self.position = position

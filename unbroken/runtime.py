@@ -41,6 +41,7 @@ from unbroken.errors import ConfigError, GenerationFailed
 from unbroken.healer import Healer
 from unbroken.joining import Joiner
 from unbroken.lifetime import ExitGuard
+from unbroken.loader import Loader, check_dataset
 from unbroken.replica_check import verify_replicas
 from unbroken.sample_record import SampleRecord
 from unbroken.step import Step
@@ -120,18 +121,8 @@ class RuntimeSettings:
 
 
 def _check_dataset(dataset: Any) -> int:
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise ConfigError(
-            f"dataset must support len() and indexing (a map-style torch Dataset), got {type(dataset).__name__};"
-            " an iterable-only dataset has no fixed order to split among members"
-        )
-    try:
-        length = len(dataset)
-    except TypeError as exc:
-        raise ConfigError(f"dataset must support len(): {exc}") from None
-    if length <= 0:
-        raise ConfigError("dataset is empty")
-    return length
+    """The data set's length; a ConfigError naming what to do if it is not map-style."""
+    return check_dataset(dataset)
 
 
 class Job:
@@ -140,12 +131,18 @@ class Job:
     Args:
         model: the module to train; every member builds the same architecture.
         optimizer: any ``torch.optim`` optimizer over the model's parameters.
-        dataset: a map-style data set (``len()`` and indexing).
+        dataset: a map-style data set (``len()`` and indexing); not an ``IterableDataset``.
         global_batch_size: samples per step over all members, fixed whatever the member count.
         micro_batch_size: largest batch one forward/backward sees (default: the global batch).
         seed: seeds the sample order (one permutation per epoch).
         scheduler: an optional learning-rate scheduler, stepped after each commit.
         collate_fn: turns a list of samples into a batch (default: ``default_collate``).
+        num_workers: DataLoader worker processes that load the micro-batches of the next steps
+            ahead (default 0: each micro-batch is loaded in the training thread when needed).
+        prefetch: micro-batches in flight per loader worker (default 2); needs ``num_workers``.
+        pin_memory: return batches in page-locked memory, for a fast copy to a GPU.
+        worker_init_fn: called with the worker id in each loader worker as it starts (open files
+            there); randomness is seeded per sample from (seed, stream position), not here.
         extra_state: any object with ``state_dict``/``load_state_dict`` healed with the model.
         settings: runtime settings (default: from the environment ``unbroken run`` sets).
         checkpoint: durable checkpoints (default: from ``UNBROKEN_CHECKPOINT_*``, which
@@ -163,6 +160,10 @@ class Job:
         seed: int = 0,
         scheduler: Any = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        prefetch: int | None = None,
+        pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
         extra_state: Any = None,
         settings: RuntimeSettings | None = None,
         checkpoint: "CheckpointSettings | None" = None,
@@ -179,6 +180,10 @@ class Job:
         self.scheduler = scheduler
         self.extra_state = extra_state
         self.collate_fn = collate_fn
+        self._loader = Loader(
+            dataset, self.plan, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
+            collate_fn=collate_fn, worker_init_fn=worker_init_fn,
+        )
         self.settings = settings or RuntimeSettings.from_env()
         self.distributed = self.settings.coordinator is not None
         self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -244,17 +249,22 @@ class Job:
 
     def _steps_alone(self, total: int) -> Iterator[Step]:
         """A single process: every step commits; the reference every distributed run must match."""
-        self._checkpointing.open(resume=self.fresh)
-        while self.next_step < total:
-            step = Step(self, self.next_step)
-            yield step
-            step.commit()
-            self._checkpointing.maybe_save()
-        self._checkpointing.final()
+        self._loader.start(total)
+        try:
+            self._checkpointing.open(resume=self.fresh)
+            while self.next_step < total:
+                step = Step(self, self.next_step)
+                yield step
+                step.commit()
+                self._checkpointing.maybe_save()
+            self._checkpointing.final()
+        finally:
+            self._loader.close()
 
     def _steps_together(self, total: int) -> Iterator[Step]:
         """Under a coordinator: join, heal, step, commit or redo, until every member is at ``total``."""
         finished = False
+        self._loader.start(total)  # forks the loader workers before any thread of the runtime runs
         self._joiner.start()
         # Whether to resume from a checkpoint is decided when a generation forms (see Healer.heal).
         self._checkpointing.open(resume=False)
@@ -296,15 +306,9 @@ class Job:
 
     # -- data and progress ---------------------------------------------------------------------
 
-    def _batch(self, positions: range) -> Any:
-        indices = self.plan.indices(positions)
-        dataset = self.dataset
-        if self.collate_fn is None and isinstance(dataset, torch.utils.data.TensorDataset):
-            return tuple(t[indices] for t in dataset.tensors)
-        items = [dataset[i] for i in indices.tolist()]
-        if self.collate_fn is not None:
-            return self.collate_fn(items)
-        return torch.utils.data.default_collate(items)
+    def _batch(self, step: Step, micro: int) -> Any:
+        """Micro-batch ``micro`` of this member's share of ``step`` (see :mod:`unbroken.loader`)."""
+        return self._loader.get(step.index, step.rank, step.members, micro)
 
     def _count_grad(self, _: torch.Tensor) -> None:
         self._grad_events += 1
@@ -392,6 +396,7 @@ class Job:
             self._samples.write_lineage(self.lineage, self.replica_hash, self.next_step)
         self._joiner.leave(finished)
         self._samples.close()
+        self._loader.close()
         self._joiner.close_group()
         ExitGuard.finished = finished
 

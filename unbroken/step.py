@@ -63,12 +63,12 @@ class Step:
         Stops early when the generation broke meanwhile (a peer failed): :meth:`reduce` then
         returns False at once, so a long step is left within one micro-batch, not at its end."""
         job = self.job
-        for positions in self._micro:
+        for micro in range(len(self._micro)):
             if job._reducer is not None and not self._stale:
                 self._stale = job._abandon_reason(self.generation)
             if self._stale:
                 return
-            batch = job._batch(positions)
+            batch = job._batch(self, micro)
             job._ticks += 1
             yield batch
 
