@@ -34,6 +34,11 @@ parser.add_argument("--rng-log", default=None, help="append one torch.rand() dra
 parser.add_argument("--misuse", choices=["skip", "plain"], default=None, help="skip a micro-batch, or call loss.backward() directly")
 parser.add_argument("--token-loss", action="store_true", help="a summed loss over a data-dependent mask, normalised by the global count")
 parser.add_argument("--slow-store", action="store_true", help="register the slowfile:// checkpoint store (slowfs.py)")
+parser.add_argument("--loader-workers", type=int, default=0, help="Job(num_workers=...): loader worker processes")
+parser.add_argument("--prefetch", type=int, default=None, help="Job(prefetch=...): micro-batches in flight per loader worker")
+parser.add_argument("--augment", action="store_true", help="a map-style dataset adding noise from the global generator to each sample; the script checks every micro-batch holds the planned samples")
+parser.add_argument("--bad-index", type=int, default=None, help="with --augment: loading this dataset index raises")
+parser.add_argument("--loader-pids", default=None, help="append this process's pid and its loader workers' pids here")
 args = parser.parse_args()
 if args.slow_store:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +59,21 @@ if args.bad_dataset:
             return iter(range(10))
 
     dataset = Stream()
+if args.augment:
+
+    class Augmented(torch.utils.data.Dataset):
+        """The same samples plus noise drawn from the global generator (seeded per stream
+        position by unbroken), and each sample's index, to check what the loader delivered."""
+
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            if i == args.bad_index:
+                raise ValueError(f"record {i} is corrupt")
+            return x[i] + 0.05 * torch.randn(6), y[i], torch.tensor(i)
+
+    dataset = Augmented()
 
 layers = [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)]
 if args.dropout:
@@ -72,6 +92,8 @@ job = unbroken.Job(
     micro_batch_size=args.micro_batch_size,
     seed=7,
     scheduler=scheduler,
+    num_workers=args.loader_workers,
+    prefetch=args.prefetch,
 )
 first_step = True
 
@@ -81,6 +103,7 @@ def resources():
 
 
 local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+my_loaders = []
 for step in job.steps(total=args.steps):
     if args.resources:
         with open(args.resources, "a") as f:
@@ -94,7 +117,17 @@ for step in job.steps(total=args.steps):
     first_step = False
     if args.raise_at_step is not None and step.index == args.raise_at_step:
         raise RuntimeError(f"deliberate failure at step {step.index}")
-    for i, (xb, yb) in enumerate(step.micro_batches()):
+    seen = []
+    for i, (xb, yb, *index) in enumerate(step.micro_batches()):
+        if args.loader_pids and job._loader.pids():
+            my_loaders = job._loader.pids()
+            with open(args.loader_pids, "a") as f:
+                f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID")}", "pid": {os.getpid()}, "loaders": {job._loader.pids()}}}\n')
+            args.loader_pids = None  # once per process
+        if index:
+            seen.extend(index[0].tolist())
+            planned = job.plan.indices(step.positions).tolist()
+            assert seen == planned[: len(seen)], f"step {step.index}: the loader delivered {seen}, the plan says {planned}"
         if args.misuse == "skip" and i == 0:
             continue
         if args.misuse == "plain":
@@ -115,6 +148,9 @@ for step in job.steps(total=args.steps):
     print(f"step {step.index} loss {step.loss:.6f} members {step.members}", flush=True)
     if args.step_delay:
         time.sleep(args.step_delay)
+
+# the loop's end stopped the loader workers (joined: not even zombies)
+assert not [p for p in my_loaders if os.path.exists(f"/proc/{p}")], f"loader workers {my_loaders} outlived job.steps()"
 
 if args.after_loop_file and job.is_leader:
     time.sleep(args.after_loop_sleep)
