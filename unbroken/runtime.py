@@ -17,10 +17,11 @@ parameters untouched and redoes the step in the next generation. Run as a plain 
 the reference every distributed run must match.
 
 This module holds :class:`Job` (the training objects, the step counter and lineage, and the
-loop) and its settings. The rest of the work is done by parts of their own: :class:`Step`
-(:mod:`unbroken.step`), joining a generation and keeping its group (:mod:`unbroken.joining`),
-healing it (:mod:`unbroken.healer`), durable checkpoints (:mod:`unbroken.checkpointing`), replica
-checks (:mod:`unbroken.replica_check`) and the sample record (:mod:`unbroken.sample_record`).
+loop); its settings are :class:`~unbroken.runtime_settings.RuntimeSettings`. The rest of the
+work is done by parts of their own: :class:`Step` (:mod:`unbroken.step`), joining a generation
+and keeping its group (:mod:`unbroken.joining`), healing it (:mod:`unbroken.healer`), durable
+checkpoints (:mod:`unbroken.checkpointing`), replica checks (:mod:`unbroken.replica_check`) and
+the sample record (:mod:`unbroken.sample_record`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -43,81 +43,13 @@ from unbroken.joining import Joiner
 from unbroken.lifetime import ExitGuard
 from unbroken.loader import Loader, check_dataset
 from unbroken.replica_check import verify_replicas
+from unbroken.runtime_settings import RuntimeSettings
 from unbroken.sample_record import SampleRecord
 from unbroken.step import Step
 from unbroken.telemetry import RUN_DIR_ENV, EventLog
 
 if TYPE_CHECKING:
     from unbroken.checkpoint import CheckpointSettings
-
-
-@dataclass(frozen=True)
-class RuntimeSettings:
-    """How a worker talks to its job. Explicit arguments beat ``UNBROKEN_*`` variables beat defaults."""
-
-    coordinator: str | None = None
-    """``HOST:PORT`` of the coordinator (``UNBROKEN_COORDINATOR``); None runs a single process."""
-    member_id: str | None = None
-    """This process's name in the job (``UNBROKEN_MEMBER_ID``); defaults to host-pid."""
-    node: str = ""
-    """Name of this node (``UNBROKEN_NODE``)."""
-    run_dir: str | None = None
-    """Where events and logs go (``UNBROKEN_RUN_DIR``)."""
-    heartbeat_interval: float = 0.5
-    """Seconds between heartbeats (``UNBROKEN_HEARTBEAT_INTERVAL``)."""
-    collective_timeout: float = 30.0
-    """Longest wait for one collective or connect (``UNBROKEN_COLLECTIVE_TIMEOUT``); a verdict
-    from the coordinator usually ends a failed wait long before."""
-    lease: float = 5.0
-    """Seconds without a reply from the coordinator after which this member stops committing and
-    abandons its generation (``UNBROKEN_LEASE``); keep it at most the coordinator's heartbeat
-    timeout, so that a member cut off by a partition stops before the others go on without it."""
-    coordinator_timeout: float = 60.0
-    """How long an unreachable coordinator is retried before giving up (``UNBROKEN_COORDINATOR_TIMEOUT``)."""
-    join_timeout: float = 600.0
-    """Longest wait for a generation to form (``UNBROKEN_JOIN_TIMEOUT``)."""
-    bucket_cap_mb: float = 25.0
-    """Size of a gradient allreduce bucket in MB (``UNBROKEN_BUCKET_CAP_MB``)."""
-    verify_every: int = 0
-    """Also compare a hash of every member's parameters and buffers every this many steps
-    (``UNBROKEN_VERIFY_EVERY``); 0 compares them only at the end. Costs a hash and a small allreduce."""
-    token: str | None = field(default=None, repr=False)
-    """The job's shared secret for the coordinator (``UNBROKEN_TOKEN``; the launcher sets it)."""
-    record_samples: bool = False
-    """Log the stream positions of every step attempt to ``<run dir>/samples`` (``UNBROKEN_RECORD_SAMPLES``)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.heartbeat_interval < self.collective_timeout:
-            raise ConfigError("need 0 < heartbeat_interval < collective_timeout")
-        if not self.heartbeat_interval < self.lease:
-            raise ConfigError(f"need heartbeat_interval ({self.heartbeat_interval}) < lease ({self.lease})")
-        for name in ("coordinator_timeout", "join_timeout", "bucket_cap_mb"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @classmethod
-    def from_env(cls, **explicit: Any) -> "RuntimeSettings":
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = os.environ.get(f"UNBROKEN_{f.name.upper()}")
-            if raw is None or raw == "":
-                continue
-            if f.type in ("int",):
-                try:
-                    values[f.name] = int(raw)
-                except ValueError:
-                    raise ConfigError(f"UNBROKEN_{f.name.upper()}={raw!r} is not an integer (setting {f.name})") from None
-            elif f.type in ("float",):
-                try:
-                    values[f.name] = float(raw)
-                except ValueError:
-                    raise ConfigError(f"UNBROKEN_{f.name.upper()}={raw!r} is not a number (setting {f.name})") from None
-            elif f.type in ("bool",):
-                values[f.name] = raw.lower() in ("1", "true", "yes")
-            else:
-                values[f.name] = raw
-        values.update({k: v for k, v in explicit.items() if v is not None})
-        return cls(**values)
 
 
 def _check_dataset(dataset: Any) -> int:
