@@ -27,7 +27,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     from unbroken.launch_settings import LaunchSettings
 
     d = LaunchSettings.__dataclass_fields__
-    p = sub.add_parser("run", help="run a training script on this node, surviving worker failures")
+    # allow_abbrev=False: the script's own flags (--warmup) must never be read as abbreviations of ours
+    p = sub.add_parser("run", help="run a training script on this node, surviving worker failures", allow_abbrev=False)
     # in this order in the help and the CLI reference
     _add_run_workers(p, d)
     _add_run_coordinator(p, d)

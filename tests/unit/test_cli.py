@@ -233,3 +233,10 @@ def test_nnodes_in_torchrun_spelling_sets_the_member_bounds():
     for bad in ("0:2", "3:2", "x", "1:y"):
         with pytest.raises(cli.ConfigError, match="--nnodes"):
             cli._nnodes(bad, 1)
+
+
+def test_the_scripts_own_flags_are_never_taken_for_abbreviations_of_ours(script):
+    # --warmup is a prefix of --warmup-timeout and its --warmup_timeout alias: argparse used to
+    # refuse it as ambiguous although it follows the script
+    args = build_parser().parse_args(["run", "--heartbeat-timeout", "3", script, "--warmup", "20", "--heart", "1"])
+    assert args.script_args == ["--warmup", "20", "--heart", "1"] and args.heartbeat_timeout == 3
