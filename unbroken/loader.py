@@ -453,7 +453,8 @@ class Loader:
         version, (step, member, members, micro) = self._version, self._cursor
         if not self.plan.share(step, member, members):
             return  # an empty share is empty at every step
-        while self.total is None or step < self.total:
+        end = None if self.total is None else max(self.total, step + 1)  # the step asked for, at least
+        while end is None or step < end:
             parts = self.plan.micro_batches(step, member, members)
             for k in range(micro, len(parts)):
                 key = self._key(Where(step, member, members, k), version)

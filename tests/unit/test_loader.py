@@ -121,6 +121,16 @@ def test_prefetching_runs_ahead_across_steps_and_starts_again_only_when_the_shar
         made.close()
 
 
+def test_a_step_past_the_announced_total_is_still_loaded():
+    made = Loader(Indexed(), DataPlan(N, G, M, seed=5), num_workers=2)
+    made.start(2)
+    try:
+        indices, _ = made.get(5, 0, 1, 1)
+    finally:
+        made.close()
+    assert indices.tolist() == made.plan.indices(made.plan.micro_batches(5, 0, 1)[1]).tolist()
+
+
 def _draws_by_position(made: Loader, shares) -> dict[int, list[float]]:
     """Stream position -> the random draws its sample saw, over the given (step, member, members)."""
     plan, seen = made.plan, {}
