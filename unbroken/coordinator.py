@@ -170,7 +170,8 @@ class Coordinator(CoordinatorApi, Leading):
                 web.get("/metrics", self._metrics),
             ]
         )
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a held heartbeat learns at once that its member's connection closed
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         # reuse_address: a coordinator restarted in place binds its port at once, not after TIME_WAIT
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)

@@ -8,6 +8,7 @@ is quarantined, or when its preflight does not match the job's.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
@@ -131,12 +132,32 @@ class CoordinatorApi:
             busy=body.get("busy") or None,
             warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
         )
-        while True:
-            view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
-            remaining = deadline - time.monotonic()
-            if view != seen or remaining <= 0:
-                return self._reply(view)
-            await self._wait_change(remaining)
+        try:
+            while True:
+                view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
+                remaining = deadline - time.monotonic()
+                if view != seen or remaining <= 0:
+                    return self._reply(view)
+                await self._wait_change(remaining)
+        except asyncio.CancelledError:
+            self._connection_closed(member_id)
+            raise
+
+    def _connection_closed(self, member_id: str) -> None:
+        """A member's heartbeat connection closed while its long poll was held: its process is
+        gone (the kernel closed its sockets), or its host is; a live member never closes it
+        (its heartbeat thread always has a request in flight here). Dead at once, not after the
+        heartbeat timeout. A stopped process or a host without power closes nothing: for those
+        the heartbeat timeout still decides."""
+        member = self.state.members.get(member_id)
+        if self._stopped.is_set() or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
+            return
+        reason = "its heartbeat connection closed (its process or host is gone)"
+        if self.state.mark_dead(member_id, reason, time.monotonic()):
+            log.warning("member %s declared dead: %s", member_id, reason)
+            self.events.emit("verdict", member=member_id, detected_by="connection", reason=reason)
+            self.metrics.failure("connection")
+            self._bump()
 
     async def _failure(self, request):
         body = await self._json(request)

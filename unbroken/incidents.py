@@ -22,7 +22,7 @@ from unbroken.run_log import is_int
 INCIDENT_GAP = 1.0
 
 # Evidence that classifies an incident, strongest first.
-EVIDENCE = ("launcher", "heartbeat", "progress watchdog", "collective")
+EVIDENCE = ("launcher", "connection", "heartbeat", "progress watchdog", "collective")
 
 
 @dataclass

@@ -10,7 +10,7 @@ things happen.
 ``unbroken_generation``             number of the current generation (0 before the first)
 ``unbroken_committed_step``         steps committed (the highest count any member reported)
 ``unbroken_job_finished``           1 once the job has finished, else 0
-``unbroken_failures_total``         failure reports by ``detected_by``: ``launcher``, ``heartbeat``,
+``unbroken_failures_total``         failure reports by ``detected_by``: ``launcher``, ``connection``, ``heartbeat``,
                                     ``progress watchdog`` (verdicts) and ``collective`` (a member's
                                     broken collective); one crash can count under several labels
 ``unbroken_stall_seconds``          histogram: from a generation breaking to the next one forming
