@@ -41,25 +41,6 @@ def _device(store_host: str):
     return dist.ProcessGroupGloo.create_default_device()
 
 
-SPIN_SECONDS = 0.002
-"""A collective that completes within this long is waited for by polling its future (yielding
-the CPU between polls) instead of a callback, an Event and a thread switch: DDP waits in C++, and
-on a small model the switch alone cost about 0.4 ms per step. Any longer wait is watched as
-before (abandoned on a verdict, bounded by the collective timeout)."""
-
-
-def _spin(done: Callable[[], bool], seconds: float) -> bool:
-    """Poll ``done`` for up to ``seconds``, yielding between polls; whether it became true."""
-    if done():
-        return True
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        os.sched_yield()
-        if done():
-            return True
-    return False
-
-
 class GenerationGroup:
     """The process group of one generation, seen from one member."""
 
@@ -83,8 +64,6 @@ class GenerationGroup:
         self._wake = wake
         self.timeout = timeout
         self._blocked = blocked
-        self.spin = SPIN_SECONDS
-        """How long :meth:`wait` polls a collective before it sleeps on the watched wait."""
         self._waits = 0
         self.store: Any = None
         self.works: list[Any] = []
@@ -186,9 +165,8 @@ class GenerationGroup:
         except RuntimeError:
             future = None
         if future is not None:
-            if not _spin(future.done, self.spin):
-                future.add_done_callback(lambda _: self._wake.set())
-                self._watch(future.done, what)
+            future.add_done_callback(lambda _: self._wake.set())
+            self._watch(future.done, what)
             error = None
             try:
                 work.wait()

@@ -243,3 +243,18 @@ def test_a_checkpoint_that_names_code_to_run_is_not_executed_on_load(tmp_path, c
     assert store.load_latest() is None  # skipped, with a warning, never run
     out = capsys.readouterr().out
     assert "this must never run" not in out and "cannot load" in out
+
+
+def test_a_memory_file_holds_what_torch_saves_byte_for_byte_and_loads_it_back():
+    import io
+
+    from unbroken.checkpoint import MemoryFile
+
+    state = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int16), "meta": {"step": 3, "names": ["a"]}}
+    reference = io.BytesIO()
+    torch.save(state, reference)
+    small = MemoryFile(capacity=16)  # grows as it is written
+    torch.save(state, small)
+    assert bytes(small.getbuffer()) == reference.getvalue()
+    loaded = torch.load(MemoryFile(bytes(small.getbuffer())), weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["meta"] == state["meta"]
