@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--progress-timeout", type=float, default=20.0, help="evict a member whose progress stops this long while peers wait (default 20)")
     c.add_argument("--warmup-timeout", type=float, default=600.0, help="the same for a member's first step (default 600)")
     c.add_argument("--quorum-timeout", type=float, default=300.0, help="fail the job if below --min-members this long (default 300)")
-    c.add_argument("--heartbeat-timeout", type=float, default=5.0, help="silence that declares a member dead (default 5)")
+    c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="silence that declares a member dead (default 3)")
     c.add_argument("--run-dir", default=None, help="write the event log here")
     c.add_argument("--etcd", default=None, metavar="HOST:PORT,...",
                    help="run as one of several coordinator candidates, electing a leader in this etcd cluster (default: alone)")

@@ -55,7 +55,7 @@ class LaunchSettings:
     """Name of this node in member ids."""
     heartbeat_interval: float = 0.5
     """Seconds between a worker's heartbeats."""
-    heartbeat_timeout: float = 5.0
+    heartbeat_timeout: float = 3.0
     """Seconds of silence after which the coordinator declares a worker dead."""
     collective_timeout: float = 30.0
     """Longest wait of one collective when no verdict ends it sooner."""

@@ -87,7 +87,7 @@ class Generation:
 class MembershipSettings:
     """Rules for forming generations."""
 
-    heartbeat_timeout: float = 5.0
+    heartbeat_timeout: float = 3.0
     """Seconds without a heartbeat after which a member is declared dead."""
     expected_members: int = 1
     """Members the first generation waits for (the launcher passes nodes x processes)."""

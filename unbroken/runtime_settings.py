@@ -32,7 +32,7 @@ class RuntimeSettings:
     collective_timeout: float = 30.0
     """Longest wait for one collective or connect (``UNBROKEN_COLLECTIVE_TIMEOUT``); a verdict
     from the coordinator usually ends a failed wait long before."""
-    lease: float = 5.0
+    lease: float = 2.5
     """Seconds without a reply from the coordinator after which this member stops committing and
     abandons its generation (``UNBROKEN_LEASE``); keep it at most the coordinator's heartbeat
     timeout, so that a member cut off by a partition stops before the others go on without it."""

@@ -21,7 +21,7 @@ def test_defaults_are_valid_and_documented_values(script):
     s = LaunchSettings(script=script)
     assert (s.nproc_per_node, s.max_restarts, s.restart_backoff, s.max_restart_backoff) == (1, 5, 0.1, 10.0)
     assert (s.restart_window, s.quarantine_cooloff) == (300.0, 600.0)
-    assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout, s.shutdown_grace) == (0.5, 5.0, 30.0, 5.0)
+    assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout, s.shutdown_grace) == (0.5, 3.0, 30.0, 5.0)
     assert (s.coordinator, s.coordinator_host, s.coordinator_port, s.run_dir, s.tee, s.chaos) == (None, "127.0.0.1", 0, None, None, None)
     assert s.script_args == () and s.record_samples is False
     assert isinstance(s.node, str) and s.node
