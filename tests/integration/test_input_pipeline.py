@@ -59,7 +59,7 @@ def _assert_no_loader_survives(run_dir: str) -> None:
         # the leader SIGKILLed between the allreduce and the optimizer
         ("kill@commit,rank=0,step=8", "0.1"),
         # killed at the start of a step, then the healing source killed while it sends the state
-        ("kill@step,rank=2,step=3;kill@heal,step=4", "0.3"),
+        ("kill@step,rank=2,step=3;kill@heal,step=4", "0.4"),
     ],
     ids=["inside-allreduce-and-same-share-redo", "after-allreduce-before-optimizer", "step-start-and-healing-transfer"],
 )
