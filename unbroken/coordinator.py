@@ -105,6 +105,8 @@ class Coordinator(CoordinatorApi, Leading):
         """The newest generation known to be durable in etcd: members hear only of those."""
         self._recorded_finished = False
         """Whether this lead has recorded in etcd that the job finished."""
+        self._heartbeat_connections: dict[str, Any] = {}
+        """Each member's newest heartbeat connection (its transport), checked for closing."""
         self._leading = False
         """A candidate's state is its own lead's (taken over from etcd); False until then."""
         self._coordinators: list[str] = []
@@ -291,6 +293,7 @@ class Coordinator(CoordinatorApi, Leading):
     async def _watch_deadlines(self) -> None:
         while True:
             await asyncio.sleep(self.settings.check_interval)
+            self._check_connections()
             now = time.monotonic()
             failed_before = self.state.failed
             dead = self.state.expire(now)

@@ -122,6 +122,8 @@ class CoordinatorApi:
         member_id = body["member"]
         seen = body.get("seen") or {}
         deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
+        if request.transport is not None:
+            self._heartbeat_connections[member_id] = request.transport
         progress = body.get("progress")
         self.state.heartbeat(
             member_id,
@@ -143,12 +145,20 @@ class CoordinatorApi:
             self._connection_closed(member_id)
             raise
 
+    def _check_connections(self) -> None:
+        """Every member whose newest heartbeat connection has closed since (found between long
+        polls, when no handler runs for it: a peer's failure report may have ended its poll)."""
+        for member_id, transport in list(self._heartbeat_connections.items()):
+            if transport.is_closing():
+                self._connection_closed(member_id)
+
     def _connection_closed(self, member_id: str) -> None:
-        """A member's heartbeat connection closed while its long poll was held: its process is
-        gone (the kernel closed its sockets), or its host is; a live member never closes it
-        (its heartbeat thread always has a request in flight here). Dead at once, not after the
-        heartbeat timeout. A stopped process or a host without power closes nothing: for those
-        the heartbeat timeout still decides."""
+        """A member's heartbeat connection closed: its process is gone (the kernel closed its
+        sockets), or its host is; a live member keeps it open (its heartbeat thread reopens one
+        only after a request failed, which the coordinator's own stall would cause). Dead at
+        once, not after the heartbeat timeout. A stopped process or a host without power closes
+        nothing: for those the heartbeat timeout still decides."""
+        self._heartbeat_connections.pop(member_id, None)
         member = self.state.members.get(member_id)
         if self._stopped.is_set() or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
             return
@@ -167,6 +177,9 @@ class CoordinatorApi:
             self.events.emit("failure", member=body["member"], generation=generation, detected_by="collective", error=body.get("error"))
             self.metrics.failure("collective")
             self._bump()
+            # a peer's process or host may be gone: the kernel's closing of its connection
+            # reaches this loop within milliseconds of the failure the report describes
+            asyncio.get_running_loop().call_later(0.02, self._check_connections)
         return self._reply({"ok": True})
 
     async def _exit(self, request):
