@@ -81,6 +81,44 @@ def trial(directory: str) -> dict[str, float]:
             harness.kill_leftovers(node_dir)
 
 
+def restart_trial(directory: str) -> dict[str, float]:
+    """A standalone coordinator (no etcd) SIGKILLed and started again on its port: how long until
+    it serves, and until its members commit again in a generation it formed."""
+    import pathlib
+
+    from tests.integration.test_hangs import coordinator
+
+    base = pathlib.Path(directory)
+    coord, address = coordinator(base, "--expected-members", "3", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT))
+    port = address.rsplit(":", 1)[1]
+    node_dir = str(base / "node")
+    node = _start(["run", "--run-dir", node_dir, "--coordinator", address, "--nproc-per-node", "3",
+                   "--heartbeat-interval", "0.25", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
+                   harness.EXACT, "--steps", "100000", "--step-delay", "0.05"], directory)
+    procs = [coord, node]
+    node_run = harness.Run(0, "", "", node_dir)
+    try:
+        harness.wait_for(lambda: len(node_run.events("step")) > 20, 120, "training")
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait()
+        killed = time.time()
+        again = _start(["coordinator", "--host", "127.0.0.1", "--port", port, "--run-dir", str(base / "coord2"),
+                        "--expected-members", "3", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)], directory)
+        procs.append(again)
+        assert "listening on" in again.stdout.readline()
+        serving = time.time() - killed
+        second = harness.Run(0, "", "", str(base / "coord2"))
+        formed = lambda: {e["generation"] for e in second.events("generation")}  # noqa: E731
+        under = harness.wait_for(lambda: [e for e in node_run.events("step") if e["t"] > killed and e["generation"] in formed()], 60, "a commit under it")[0]
+        return {"serving": serving, "training": under["t"] - killed}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        harness.kill_leftovers(node_dir)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
@@ -96,8 +134,14 @@ def main() -> int:
             results.append(trial(directory))
         print(f"trial {i + 1}: {results[-1]}", flush=True)
 
-    def fmt(key: str) -> str:
-        return seconds([r[key] for r in results])
+    restarts = []
+    for i in range(args.trials):
+        with tempfile.TemporaryDirectory() as directory:
+            restarts.append(restart_trial(directory))
+        print(f"restart {i + 1}: {restarts[-1]}", flush=True)
+
+    def fmt(key: str, rows=results) -> str:
+        return seconds([r[key] for r in rows])
 
     print(f"\n3 workers, heartbeat timeout {HEARTBEAT_TIMEOUT:g} s, leader lease 2 s, etcd election timeout 500 ms; median (min – max) of {args.trials}\n")
     print("| fault | until the first commit without it |")
@@ -105,7 +149,9 @@ def main() -> int:
     print(f"| a worker falls silent (SIGSTOP: only the heartbeat timeout tells) | {fmt('node_lost')} |")
     print(f"| the leading coordinator candidate is SIGKILLed | {fmt('coordinator_lost')} |")
     print(f"| … of which until a new leader serves | {fmt('new_leader')} |")
-    save_results(args.out, {"trials": results})
+    print(f"| a standalone coordinator (no etcd) SIGKILLed and started again at once on its port | {fmt('training', restarts)} |")
+    print(f"| … of which until it serves | {fmt('serving', restarts)} |")
+    save_results(args.out, {"trials": results, "restarts": restarts})
     return 0
 
 
