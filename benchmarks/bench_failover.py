@@ -32,6 +32,15 @@ from tests.integration import etcd, harness  # noqa: E402
 HEARTBEAT_TIMEOUT = 2.0
 
 
+def _end(procs: list[subprocess.Popen], node_dir: str) -> None:
+    """End what a trial started, whatever happened."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    harness.kill_leftovers(node_dir)
+
+
 def _start(argv: list[str], cwd: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "unbroken", *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True, cwd=cwd)
@@ -74,11 +83,7 @@ def trial(directory: str) -> dict[str, float]:
             under = harness.wait_for(lambda: [e for e in node_run.events("step") if e["t"] > killed and e["generation"] in formed()], 60, "a commit under it")[0]
             return {"node_lost": node_stall, "coordinator_lost": under["t"] - killed, "new_leader": new["t"] - killed}
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            harness.kill_leftovers(node_dir)
+            _end(procs, node_dir)
 
 
 def restart_trial(directory: str) -> dict[str, float]:
@@ -112,11 +117,7 @@ def restart_trial(directory: str) -> dict[str, float]:
         under = harness.wait_for(lambda: [e for e in node_run.events("step") if e["t"] > killed and e["generation"] in formed()], 60, "a commit under it")[0]
         return {"serving": serving, "training": under["t"] - killed}
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        harness.kill_leftovers(node_dir)
+        _end(procs, node_dir)
 
 
 def main() -> int:

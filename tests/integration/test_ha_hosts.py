@@ -12,6 +12,7 @@ Every case ends with the exactly-once check and the same model as a single proce
 removes its hosts, and with them every process it started, in every outcome.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -122,6 +123,14 @@ def _etcd_inside(hosts):
     return lambda index: lambda argv, **kwargs: hosts.popen(index, argv, **kwargs)
 
 
+@contextlib.contextmanager
+def _training(tmp_path):
+    """Three hosts, each an etcd member (the test's) and a training launcher, once they train;
+    everything ends with the hosts."""
+    with _training(tmp_path) as (hosts, cluster, job):
+        yield hosts, cluster, job
+
+
 def _status(address: str) -> tuple[int, dict]:
     request = urllib.request.Request(f"http://{address}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
     try:
@@ -159,29 +168,22 @@ def test_the_host_of_both_leaders_lost_whole_the_others_train_on_under_ha(tmp_pa
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_a_frozen_leader_serves_nothing_when_woken_and_is_a_candidate_again(tmp_path, reference):
-    with netns.hosts(3) as hosts, etcd.cluster(str(tmp_path / "etcd"), hosts=hosts.addresses, popen_for=_etcd_inside(hosts)):
-        job = Job(hosts, str(tmp_path))
-        try:
-            for i in range(3):
-                job.start(i)
-            job.wait_training()
-            victim = job.leader()
-            launcher = job.procs[victim].pid  # `ip netns exec` execs the launcher: the same pid
-            os.kill(launcher, signal.SIGSTOP)
-            frozen = time.time()
-            harness.wait_for(lambda: [e for e in job.events("leader") if e["t"] > frozen], 30, "a new leader")
-            time.sleep(max(0.0, frozen + 3 * LEASE - time.time()))
-            os.kill(launcher, signal.SIGCONT)
-            woken = time.time()
-            new_leader = job.leader()
-            # at once it answers nothing but 503; within a poll or two, it names the new leader
-            assert _status(f"{hosts.addresses[victim]}:29400")[0] == 503
-            expected = f"{hosts.addresses[new_leader]}:29400"
-            harness.wait_for(lambda: [r for r in [_status(f"{hosts.addresses[victim]}:29400")] if r[0] == 503 and r[1]["leader"] == expected], 10,
-                             "the woken leader to name the new one")
-            job.finish(range(3))
-        finally:
-            job.stop_all()
+    with _training(tmp_path) as (hosts, cluster, job):
+        victim = job.leader()
+        launcher = job.procs[victim].pid  # `ip netns exec` execs the launcher: the same pid
+        os.kill(launcher, signal.SIGSTOP)
+        frozen = time.time()
+        harness.wait_for(lambda: [e for e in job.events("leader") if e["t"] > frozen], 30, "a new leader")
+        time.sleep(max(0.0, frozen + 3 * LEASE - time.time()))
+        os.kill(launcher, signal.SIGCONT)
+        woken = time.time()
+        new_leader = job.leader()
+        # at once it answers nothing but 503; within a poll or two, it names the new leader
+        assert _status(f"{hosts.addresses[victim]}:29400")[0] == 503
+        expected = f"{hosts.addresses[new_leader]}:29400"
+        harness.wait_for(lambda: [r for r in [_status(f"{hosts.addresses[victim]}:29400")] if r[0] == 503 and r[1]["leader"] == expected], 10,
+                         "the woken leader to name the new one")
+        job.finish(range(3))
     # it formed nothing after it froze; its members committed only in generations of the new leader
     # once their lease (counted from a heartbeat sent before the freeze) had run out
     mine = job.events("generation", (victim,))
@@ -195,23 +197,16 @@ def test_a_frozen_leader_serves_nothing_when_woken_and_is_a_candidate_again(tmp_
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_the_leaders_host_cut_off_the_majority_trains_and_the_cut_side_commits_nothing(tmp_path, reference):
-    with netns.hosts(3) as hosts, etcd.cluster(str(tmp_path / "etcd"), hosts=hosts.addresses, popen_for=_etcd_inside(hosts)):
-        job = Job(hosts, str(tmp_path))
-        try:
-            for i in range(3):
-                job.start(i)
-            job.wait_training()
-            victim = job.leader()
-            majority = [i for i in range(3) if i != victim]
-            hosts.cut(victim)
-            cut = time.time()
-            resumed = job.first_commit_after(cut, majority)
-            harness.wait_for(lambda: len([c for i in majority for c in job.commits(i) if c["t"] > resumed]) >= 6, 60, "steps without the cut host")
-            restored_at = time.time()
-            hosts.restore(victim)
-            job.finish(range(3))
-        finally:
-            job.stop_all()
+    with _training(tmp_path) as (hosts, cluster, job):
+        victim = job.leader()
+        majority = [i for i in range(3) if i != victim]
+        hosts.cut(victim)
+        cut = time.time()
+        resumed = job.first_commit_after(cut, majority)
+        harness.wait_for(lambda: len([c for i in majority for c in job.commits(i) if c["t"] > resumed]) >= 6, 60, "steps without the cut host")
+        restored_at = time.time()
+        hosts.restore(victim)
+        job.finish(range(3))
     stale = [c for c in job.commits(victim) if cut + MEMBER_LEASE + 0.5 < c["t"] < restored_at]
     assert not stale, stale
     print(f"leader's host cut off: the majority trains again after {resumed - cut:.2f} s")
@@ -220,23 +215,16 @@ def test_the_leaders_host_cut_off_the_majority_trains_and_the_cut_side_commits_n
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_without_an_etcd_majority_nobody_commits_and_training_resumes_when_it_returns(tmp_path, reference):
-    with netns.hosts(3) as hosts, etcd.cluster(str(tmp_path / "etcd"), hosts=hosts.addresses, popen_for=_etcd_inside(hosts)) as cluster:
-        job = Job(hosts, str(tmp_path))
-        try:
-            for i in range(3):
-                job.start(i)
-            job.wait_training()
-            cluster.stop(1)
-            cluster.stop(2)
-            stopped = time.time()
-            time.sleep(LEASE + MEMBER_LEASE + 3.0)
-            restarted = time.time()
-            cluster.start(1, popen=_etcd_inside(hosts)(1))
-            cluster.start(2, popen=_etcd_inside(hosts)(2))
-            resumed = job.first_commit_after(restarted, range(3))
-            job.finish(range(3))
-        finally:
-            job.stop_all()
+    with _training(tmp_path) as (hosts, cluster, job):
+        cluster.stop(1)
+        cluster.stop(2)
+        stopped = time.time()
+        time.sleep(LEASE + MEMBER_LEASE + 3.0)
+        restarted = time.time()
+        cluster.start(1, popen=_etcd_inside(hosts)(1))
+        cluster.start(2, popen=_etcd_inside(hosts)(2))
+        resumed = job.first_commit_after(restarted, range(3))
+        job.finish(range(3))
     # the leader stops serving by its own clock within LEASE; members within their lease after that
     quiet = [c for i in range(3) for c in job.commits(i) if stopped + LEASE + MEMBER_LEASE + 0.5 < c["t"] < restarted]
     assert not quiet, quiet
