@@ -8,10 +8,14 @@ The API is JSON over HTTP (aiohttp). Requests that wait (``join``, ``heartbeat``
 that return as soon as the answer changes, or after ``hold`` seconds with the current answer.
 
 ==========================  ======================================================================
-``POST /v1/join``           ``{member, node, pid, step, after, warm}``: wait for a generation newer than
-                            ``after`` that includes ``member``. Replies ``{status: "formed",
-                            generation, members, rank, prefix, store_host, store_port}``,
+``POST /v1/join``           ``{member, node, pid, step, after, warm, lean}``: wait for a generation newer
+                            than ``after`` that includes ``member``. Replies ``{status: "formed",
+                            generation, members, size, rank, prefix, store_host, store_port}``
+                            (with ``lean``: no ``members``; fetch them from ``/v1/members``),
                             ``{status: "wait"}`` (poll again) or ``{status: "finished"}``.
+``GET /v1/members``         ``?generation=N[&rank=R]``: the members of generation N, in rank
+                            order (``{generation, members}``), or the one at rank R
+                            (``{generation, member}``); 404 once it is forgotten.
 ``POST /v1/heartbeat``      ``{member, step, blocked_on, progress, busy, warm, seen, hold}``:
                             records liveness, the collective the member waits in, its progress
                             counter and deliberate busy work (for the progress watchdog); replies
@@ -71,7 +75,12 @@ class CoordinatorSettings:
     hold: float = 2.0
     """Longest time a long poll (join, heartbeat) is held before it is answered anyway."""
     check_interval: float = 0.1
-    """How often heartbeat deadlines are checked."""
+    """How often heartbeat deadlines are checked (each check costs only the deadlines that came
+    due, and the connections that no held poll watches)."""
+    connection_sweep: float = 2.0
+    """How often every member's heartbeat connection is checked for closing, as a backstop (O(N)):
+    the ones between polls are checked every ``check_interval``, and the current generation's
+    20 ms after a failure report."""
     token: str | None = None
     """Shared secret every request must carry (``Authorization: Bearer TOKEN``); None: none."""
     finished_memory: float = 60.0
@@ -107,6 +116,17 @@ class Coordinator(CoordinatorApi, Leading):
         """Whether this lead has recorded in etcd that the job finished."""
         self._heartbeat_connections: dict[str, Any] = {}
         """Each member's newest heartbeat connection (its transport), checked for closing."""
+        self._idle_connections: dict[str, Any] = {}
+        """The heartbeat connections that no held poll watches right now (between a reply and the
+        member's next heartbeat): a closing one is noticed only by looking, so they are looked at
+        every ``check_interval``; a held poll learns of its closing from aiohttp's cancellation."""
+        self._waiters: dict[str, set[asyncio.Future]] = {}
+        """Long polls waiting for a change, by member: a change of one member's view wakes only
+        its own; a change of the view shared by all wakes all of them, once."""
+        self._shared: tuple[Any, ...] | None = None
+        """The view shared by every member at the last wake-up (see :meth:`_wake_changed`)."""
+        self._members_body: tuple[int, bytes] | None = None
+        """The newest generation's member list as a JSON body, serialized once per generation."""
         self._leading = False
         """A candidate's state is its own lead's (taken over from etcd); False until then."""
         self._coordinators: list[str] = []
@@ -119,7 +139,6 @@ class Coordinator(CoordinatorApi, Leading):
         self.store_port: int | None = None
         self._store = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None
         self._runner = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -169,6 +188,7 @@ class Coordinator(CoordinatorApi, Leading):
                 web.post("/v1/leave", self._leave),
                 web.post("/v1/quarantine", self._quarantine),
                 web.get("/v1/status", self._status),
+                web.get("/v1/members", self._members),
                 web.get("/metrics", self._metrics),
             ]
         )
@@ -190,7 +210,6 @@ class Coordinator(CoordinatorApi, Leading):
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         if self.leadership is not None and not self.leadership.me:
             self.leadership.me = f"{self.settings.advertise_host or self.settings.host}:{self.port}"
-        self._changed = asyncio.Event()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_deadlines())
         if self.leadership is not None:
             self._campaigner = asyncio.get_running_loop().create_task(self._lead())
@@ -275,25 +294,58 @@ class Coordinator(CoordinatorApi, Leading):
             self.events.emit(
                 "generation", generation=generation.number, members=list(generation.members), reason=decision.reason
             )
-        self._wake_all()
+        self._wake_changed()
+
+    def _wake_changed(self) -> None:
+        """Wake the long polls whose answer may have changed: all of them if the view shared by
+        every member changed (one wake-up each, however many changes came together), else only
+        those of the members whose own state changed. O(woken polls), never O(N) per change."""
+        shared = (self.state.shared_view(), self._durable, self._serving(), self.incarnation, id(self.state))
+        changed = self.state.changed_members
+        if shared != self._shared:
+            self._shared = shared
+            changed.clear()
+            self._wake_all()
+            return
+        while changed:
+            waiters = self._waiters.pop(changed.pop(), None)
+            for waiter in waiters or ():
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _wake_all(self) -> None:
         """Wake every long poll, so that each recomputes its answer."""
-        assert self._changed is not None
-        self._changed.set()
-        self._changed = asyncio.Event()
+        waiters, self._waiters = self._waiters, {}
+        for group in waiters.values():
+            for waiter in group:
+                if not waiter.done():
+                    waiter.set_result(None)
 
-    async def _wait_change(self, timeout: float) -> None:
-        assert self._changed is not None
+    async def _wait_change(self, timeout: float, member_id: str = "") -> None:
+        """Wait until a change concerns ``member_id`` (see :meth:`_wake_changed`), or ``timeout``."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        group = self._waiters.setdefault(member_id, set())
+        group.add(waiter)
+        timer = loop.call_later(max(timeout, 0.0), _resolve, waiter)
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            await waiter
+        finally:
+            timer.cancel()
+            group.discard(waiter)
+            if not group and self._waiters.get(member_id) is group:
+                del self._waiters[member_id]
 
     async def _watch_deadlines(self) -> None:
+        swept = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.check_interval)
-            self._check_connections()
+            now = time.monotonic()
+            if now - swept >= self.settings.connection_sweep:
+                swept = now
+                self._check_connections()
+            else:
+                self._check_connections(list(self._idle_connections))
             now = time.monotonic()
             failed_before = self.state.failed
             dead = self.state.expire(now)
@@ -308,3 +360,8 @@ class Coordinator(CoordinatorApi, Leading):
             if self.state.failed and not failed_before:
                 log.error("job failed: %s", self.state.failed)
                 self.events.emit("job_failed", reason=self.state.failed)
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

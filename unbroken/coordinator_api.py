@@ -41,8 +41,11 @@ class CoordinatorApi:
     _coordinators: list[str]
     _reference: dict[str, str] | None
     _quarantined: dict[str, float]
+    _heartbeat_connections: dict[str, Any]
+    _idle_connections: dict[str, Any]
+    _members_body: tuple[int, bytes] | None
     _bump: Callable[[], None]
-    _wait_change: Callable[[float], Coroutine[Any, Any, None]]
+    _wait_change: Callable[..., Coroutine[Any, Any, None]]
 
     @property
     def _authenticate(self):
@@ -89,19 +92,24 @@ class CoordinatorApi:
         if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
             self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
             self._bump()
+        lean = bool(body.get("lean"))
         deadline = time.monotonic() + self.settings.hold
         while True:
             current = self.state.current
-            member = self.state.members[member_id]
+            member = self.state.members.get(member_id)
             durable = self.leadership is None or (current is not None and current.number <= self._durable)
-            if current is not None and durable and current.number > after and member_id in current.members and member.state is MemberState.ACTIVE:
+            rank = current.ranks.get(member_id) if current is not None else None
+            if current is not None and durable and current.number > after and rank is not None and member is not None and member.state is MemberState.ACTIVE:
                 return self._reply(
                     {
                         "status": "formed",
                         "incarnation": self.incarnation,
                         "generation": current.number,
-                        "members": list(current.members),
-                        "rank": current.members.index(member_id),
+                        # O(N) bytes to each of N members is O(N^2) per formation: a lean
+                        # member fetches the list (or the names it needs) from /v1/members
+                        **({} if lean else {"members": list(current.members)}),
+                        "size": len(current.members),
+                        "rank": rank,
                         "prefix": current.prefix,
                         "store_host": self.settings.advertise_host or self.settings.host,
                         "store_port": self.store_port,
@@ -115,15 +123,17 @@ class CoordinatorApi:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return self._reply({"status": "wait"})
-            await self._wait_change(remaining)
+            await self._wait_change(remaining, member_id)
 
     async def _heartbeat(self, request):
         body = await self._json(request)
         member_id = body["member"]
         seen = body.get("seen") or {}
         deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
-        if request.transport is not None:
-            self._heartbeat_connections[member_id] = request.transport
+        transport = request.transport
+        self._idle_connections.pop(member_id, None)
+        if transport is not None:
+            self._heartbeat_connections[member_id] = transport
         progress = body.get("progress")
         self.state.heartbeat(
             member_id,
@@ -139,18 +149,39 @@ class CoordinatorApi:
                 view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
                 remaining = deadline - time.monotonic()
                 if view != seen or remaining <= 0:
+                    if transport is not None and self._heartbeat_connections.get(member_id) is transport:
+                        self._idle_connections[member_id] = transport  # watched by looking until the next poll
                     return self._reply(view)
-                await self._wait_change(remaining)
+                await self._wait_change(remaining, member_id)
         except asyncio.CancelledError:
             self._connection_closed(member_id)
             raise
 
-    def _check_connections(self) -> None:
-        """Every member whose newest heartbeat connection has closed since (found between long
-        polls, when no handler runs for it: a peer's failure report may have ended its poll)."""
-        for member_id, transport in list(self._heartbeat_connections.items()):
-            if transport.is_closing():
+    def _check_connections(self, members: Any = None) -> None:
+        """Every member (of ``members``; None: all) whose newest heartbeat connection has closed
+        since (found between long polls, when no handler runs for it: a peer's failure report
+        may have ended its poll). A full check also forgets the connections of forgotten members."""
+        if members is None:
+            for member_id in [m for m in self._heartbeat_connections if m not in self.state.members]:
+                del self._heartbeat_connections[member_id]
+                self._idle_connections.pop(member_id, None)
+            members = list(self._heartbeat_connections)
+        for member_id in members:
+            transport = self._heartbeat_connections.get(member_id)
+            member = self.state.members.get(member_id)
+            if transport is None or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
+                # nothing to watch: a closing connection of a member that is not live changes nothing
+                self._idle_connections.pop(member_id, None)
+                if transport is not None and transport.is_closing():
+                    self._heartbeat_connections.pop(member_id, None)
+            elif transport.is_closing():
                 self._connection_closed(member_id)
+
+    def _check_generation_connections(self) -> None:
+        """The current generation's connections: after a failure report, one of them may be a
+        dead member's whose poll the report's wake-up just ended. O(generation), once a break."""
+        current = self.state.current
+        self._check_connections(current.members if current is not None else [])
 
     def _connection_closed(self, member_id: str) -> None:
         """A member's heartbeat connection closed: its process is gone (the kernel closed its
@@ -159,6 +190,7 @@ class CoordinatorApi:
         once, not after the heartbeat timeout. A stopped process or a host without power closes
         nothing: for those the heartbeat timeout still decides."""
         self._heartbeat_connections.pop(member_id, None)
+        self._idle_connections.pop(member_id, None)
         member = self.state.members.get(member_id)
         if self._stopped.is_set() or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
             return
@@ -179,7 +211,7 @@ class CoordinatorApi:
             self._bump()
             # a peer's process or host may be gone: the kernel's closing of its connection
             # reaches this loop within milliseconds of the failure the report describes
-            asyncio.get_running_loop().call_later(0.02, self._check_connections)
+            asyncio.get_running_loop().call_later(0.02, self._check_generation_connections)
         return self._reply({"ok": True})
 
     async def _exit(self, request):
@@ -264,6 +296,28 @@ class CoordinatorApi:
         from unbroken.metrics import CONTENT_TYPE
 
         return web.Response(body=self.metrics.render(self.state), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _members(self, request):
+        """The member list of a generation, serialized once per generation; or one member's id."""
+        from aiohttp import web
+
+        try:
+            number = int(request.query.get("generation", "0"))
+            rank = int(request.query["rank"]) if "rank" in request.query else None
+        except ValueError:
+            raise web.HTTPBadRequest(text="expected ?generation=N[&rank=R] with integers") from None
+        generation = next((g for g in reversed(self.state.history) if g.number == number), None)
+        if generation is None:
+            raise web.HTTPNotFound(text=f"generation {number} is not known here (forgotten, or never formed)")
+        if rank is not None:
+            if not 0 <= rank < len(generation.members):
+                raise web.HTTPNotFound(text=f"generation {number} has no rank {rank}")
+            return self._reply({"generation": number, "member": generation.members[rank]})
+        if self._members_body is None or self._members_body[0] != number:
+            import json
+
+            self._members_body = (number, json.dumps({"generation": number, "members": list(generation.members)}).encode())
+        return web.Response(body=self._members_body[1], content_type="application/json")
 
     async def _status(self, request):
         now = time.monotonic()

@@ -193,6 +193,7 @@ class Joiner:
                 after=max(job.generation, job._generation_floor),
                 warm=bool(self.heartbeat.warm),
                 preflight=self.preflight(),
+                lean=True,  # no member list in the reply: a Roster fetches ids if they are needed
             )
         except Unauthorized as exc:
             self._refused(f"unbroken: error: {job.member_id}: {exc}", EXIT_MISMATCH)
@@ -232,11 +233,17 @@ class Joiner:
         number = reply["generation"]
         job.generation = number
         self._incarnation = reply.get("incarnation")
+        if "members" in reply:  # a coordinator that sends the whole list
+            members: Any = reply["members"]
+        else:
+            from unbroken.roster import Roster
+
+            members = Roster(self.client, number, int(reply["size"]), job.member_id, reply["rank"])
         group = GenerationGroup(
             number,
             reply["rank"],
-            len(reply["members"]),
-            reply["members"],
+            len(members),
+            members,
             abandoned=lambda n=number: job._abandon_reason(n),
             wake=self.wake,
             timeout=job.settings.collective_timeout,

@@ -14,6 +14,14 @@ one at the same step boundary, or that generation broke.
 Everything here is plain state and pure decisions, driven by an explicit ``now`` (the
 coordinator's ``time.monotonic()``); the coordinator does the I/O.
 
+Costs, for jobs of thousands of members (docs/guide/scale.md): a heartbeat, a join, a verdict and
+every view are O(1): the counts of members per state are kept as states change, never recounted;
+heartbeat deadlines are a heap with one entry per live member, re-armed lazily when it comes due
+(O(log N) per member per ``heartbeat_timeout``); the progress watchdog scans a generation only
+once someone has waited longer than ``progress_timeout``. Forming a generation is O(N). Members
+that died or left, and old generations, are forgotten after ``forget_after`` seconds and beyond
+``history_limit`` generations.
+
 Member lifecycle::
 
     (new) --join--> WAITING --generation formed--> ACTIVE --join--> WAITING ...
@@ -25,8 +33,13 @@ Member lifecycle::
 from __future__ import annotations
 
 import enum
+import heapq
+from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
+
+_LIVE = frozenset(("waiting", "active"))
 
 
 class MemberState(enum.Enum):
@@ -69,6 +82,8 @@ class Member:
     """False until the member has committed a step in its process: its first step may include
     compilation and lazy imports, judged against ``warmup_timeout`` instead."""
     death_reason: str | None = None
+    ended_at: float | None = None
+    """When (coordinator clock) it died or left: it is forgotten ``forget_after`` seconds later."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,11 @@ class Generation:
     number: int
     members: tuple[str, ...]
     formed_at: float
+
+    @cached_property
+    def ranks(self) -> dict[str, int]:
+        """Member id -> rank, built once: membership tests and ranks in O(1), not O(N)."""
+        return {member: rank for rank, member in enumerate(self.members)}
 
     @property
     def prefix(self) -> str:
@@ -107,6 +127,12 @@ class MembershipSettings:
     warmup_timeout: float = 600.0
     """The same limit for a member that has not yet committed a step in its process (its first
     step compiles, imports and allocates)."""
+    forget_after: float = 600.0
+    """Seconds after which a member that died or left (and is in no current generation) is
+    forgotten: the coordinator's memory stays bounded however often members restart. A member
+    heard of again after that is simply new."""
+    history_limit: int = 64
+    """How many of the newest generations :attr:`Membership.history` keeps."""
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout > 0:
@@ -117,6 +143,8 @@ class MembershipSettings:
             raise ValueError(f"max_members ({self.max_members}) is below min_members ({self.min_members})")
         if self.progress_timeout <= 0 or self.quorum_timeout <= 0:
             raise ValueError("progress_timeout and quorum_timeout must be positive")
+        if self.forget_after <= 0 or self.history_limit < 1:
+            raise ValueError("forget_after must be positive and history_limit at least 1")
         if self.warmup_timeout < self.progress_timeout:
             raise ValueError(f"warmup_timeout ({self.warmup_timeout}) must be at least progress_timeout ({self.progress_timeout})")
 
@@ -153,10 +181,11 @@ def decide(
             )
     if len(waiting) < settings.min_members:
         return Decision(False, reason=f"{len(waiting)} member(s) waiting, minimum is {settings.min_members}")
-    previous = list(current.members) if current is not None else []
+    previous = current.members if current is not None else ()
+    before = current.ranks if current is not None else {}
     waiting_ids = {m.id for m in waiting}
     order = [m for m in previous if m in waiting_ids]
-    newcomers = sorted((m for m in waiting if m.id not in previous), key=lambda m: (m.joined_at, m.id))
+    newcomers = sorted((m for m in waiting if m.id not in before), key=lambda m: (m.joined_at, m.id))
     order += [m.id for m in newcomers]
     if settings.max_members is not None:
         order = order[: settings.max_members]
@@ -165,7 +194,10 @@ def decide(
 
 @dataclass
 class Membership:
-    """The coordinator's state. Every mutating method returns True when the state changed."""
+    """The coordinator's state. Every mutating method returns True when the state changed.
+
+    Member states change only through this class (:meth:`_enter`), which keeps the counts per
+    state, the heartbeat deadline heap and :attr:`changed_members` in step with them."""
 
     settings: MembershipSettings
     members: dict[str, Member] = field(default_factory=dict)
@@ -181,28 +213,114 @@ class Membership:
     """The highest generation any member has seen (it may come from a checkpoint written under an
     earlier coordinator): new generations are numbered above it, so numbers never repeat."""
     history: list[Generation] = field(default_factory=list)
+    """The newest generations (at most ``settings.history_limit``), oldest first."""
+    changed_members: set[str] = field(default_factory=set)
+    """Members whose own view (state, reason, fence) changed since the coordinator last took this
+    set: only their long polls need waking, unless the view shared by all changed."""
+    version: int = 0
+    """Counts changes of the state; a view computed at one version holds until it moves."""
+
+    def __post_init__(self) -> None:
+        self._counts: dict[MemberState, int] = {state: 0 for state in MemberState}
+        self._deadlines: list[tuple[float, str]] = []
+        """Heap of (heartbeat deadline, member): one entry per live member, re-armed when due."""
+        self._armed: dict[str, float] = {}
+        """The deadline of each member's one valid heap entry (others are stale and dropped)."""
+        self._waits: list[tuple[float, str, str]] = []
+        """Heap of (since, member, "blocked"|"waiting"): the longest wait of a current member."""
+        self._ended: deque[tuple[float, str]] = deque()
+        """(ended_at, member) of members that died or left, oldest first: pruned in order."""
+        self._max_step = 0
+        for member in self.members.values():
+            self._counts[member.state] += 1
+            self._max_step = max(self._max_step, member.step)
+            if member.state.value in _LIVE:
+                self._arm(member)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _enter(self, member: Member, state: MemberState, now: float) -> None:
+        """Move ``member`` to ``state``, keeping every count and index in step."""
+        was_live = member.state.value in _LIVE
+        self._counts[member.state] -= 1
+        self._counts[state] += 1
+        member.state = state
+        self.changed_members.add(member.id)
+        self.version += 1
+        if state.value in _LIVE:
+            member.ended_at = None
+            if not was_live:
+                self._arm(member)
+        else:
+            member.ended_at = now
+            self._ended.append((now, member.id))
+
+    def _add(self, member: Member) -> None:
+        self.members[member.id] = member
+        self._counts[member.state] += 1
+        self.changed_members.add(member.id)
+        self.version += 1
+        if member.state.value in _LIVE:
+            self._arm(member)
+        else:
+            self._ended.append((member.ended_at or 0.0, member.id))
+
+    def _arm(self, member: Member, floor: float = float("-inf")) -> None:
+        # floor: never re-arm at or before the time just checked (rounding could loop forever)
+        deadline = max(member.last_heartbeat + self.settings.heartbeat_timeout, floor)
+        self._armed[member.id] = deadline
+        heapq.heappush(self._deadlines, (deadline, member.id))
+
+    def _note_wait(self, since: float, member_id: str, kind: str) -> None:
+        heapq.heappush(self._waits, (since, member_id, kind))
+        if len(self._waits) > 4 * len(self.members) + 64:
+            # stale entries under a long-lived valid one: rebuild from the valid ones (amortized O(1))
+            self._waits = [w for w in self._waits if self._wait_valid(*w)]
+            heapq.heapify(self._waits)
+
+    def _wait_valid(self, since: float, member_id: str, kind: str) -> bool:
+        if self.current is None or member_id not in self.current.ranks:
+            return False
+        member = self.members.get(member_id)
+        if member is None:
+            return False
+        if kind == "blocked":
+            return member.state is MemberState.ACTIVE and member.blocked_since == since
+        return member.state is MemberState.WAITING and member.waiting_since == since
+
+    def _longest_wait_since(self) -> float | None:
+        """Since when the longest-waiting member of the current generation waits (in a collective,
+        or to join the next one), or None if none waits. Amortized O(log N)."""
+        while self._waits and not self._wait_valid(*self._waits[0]):
+            heapq.heappop(self._waits)
+        return self._waits[0][0] if self._waits else None
+
+    def count(self, state: MemberState) -> int:
+        """How many members are in ``state``. O(1)."""
+        return self._counts[state]
 
     # -- member requests ---------------------------------------------------------------------
 
     def join(self, member_id: str, node: str, pid: int | None, step: int, now: float, warm: bool = True) -> bool:
         if self.first_wait is None:
             self.first_wait = now
+        self._max_step = max(self._max_step, step)
         member = self.members.get(member_id)
         if member is None:
-            self.members[member_id] = Member(
-                member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step, waiting_since=now, warm=warm
-            )
+            self._add(Member(member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step, waiting_since=now, warm=warm))
+            self._note_wait(now, member_id, "waiting")
             return True
         member.warm = warm
         if member.state is MemberState.WAITING:
             member.last_heartbeat = now
             return False
-        member.state = MemberState.WAITING
         member.fenced = False
         member.waiting_since = now
         member.last_heartbeat = now
         member.step = step
         member.death_reason = None
+        self._enter(member, MemberState.WAITING, now)
+        self._note_wait(now, member_id, "waiting")
         return True
 
     def heartbeat(
@@ -222,9 +340,12 @@ class Membership:
             member.last_heartbeat = now
             if step is not None:
                 member.step = max(member.step, step)
+                self._max_step = max(self._max_step, step)
             if blocked_on != member.blocked_on:
                 member.blocked_on = blocked_on
                 member.blocked_since = now if blocked_on else None
+                if blocked_on:
+                    self._note_wait(now, member_id, "blocked")
             if progress is not None and progress != member.progress:
                 member.progress = progress
                 member.progress_at = now
@@ -246,15 +367,17 @@ class Membership:
         member = self.members.get(member_id)
         if member is None:
             # Died before it ever joined: remember it so that a late join is not mistaken for life.
-            self.members[member_id] = Member(
-                member_id, "", joined_at=now, last_heartbeat=now, state=MemberState.DEAD, death_reason=reason
+            self._add(
+                Member(
+                    member_id, "", joined_at=now, last_heartbeat=now, state=MemberState.DEAD, death_reason=reason, ended_at=now
+                )
             )
             return False
         if member.state in (MemberState.DEAD, MemberState.LEFT):
             return False
-        member.state = MemberState.DEAD
         member.death_reason = reason
-        if self.current is not None and member_id in self.current.members:
+        self._enter(member, MemberState.DEAD, now)
+        if self.current is not None and member_id in self.current.ranks:
             self._break(now)
         return True
 
@@ -263,14 +386,16 @@ class Membership:
         changed = False
         if member is not None and member.state is not MemberState.LEFT:
             was_live = member.state in (MemberState.WAITING, MemberState.ACTIVE)
-            member.state = MemberState.LEFT
             member.step = max(member.step, step)
+            self._max_step = max(self._max_step, step)
+            self._enter(member, MemberState.LEFT, now)
             changed = True
-            in_current = self.current is not None and member_id in self.current.members
+            in_current = self.current is not None and member_id in self.current.ranks
             if was_live and in_current and not finished:
                 self._break(now)
         if finished and not self.finished:
             self.finished = True
+            self.version += 1
             changed = True
         return changed
 
@@ -280,25 +405,60 @@ class Membership:
         if self.generation_state is not GenerationState.BROKEN:
             self.generation_state = GenerationState.BROKEN
             self.broken_at = now
+            self.version += 1
 
     def expire(self, now: float) -> list[str]:
-        """Declare dead every live member that is silent or makes no progress; check the quorum.
+        """Declare dead every live member that is silent or makes no progress; check the quorum;
+        forget members gone for longer than ``forget_after``.
 
         Silent: no heartbeat for ``heartbeat_timeout``. No progress: its progress counter has not
         moved for ``progress_timeout`` (``warmup_timeout`` before its first commit) while a peer of
         the current generation waited for it inside a collective (and it was not in one itself),
         or since its generation broke and it has still not come to join.
+
+        Cost: O(log N) per deadline that came due, not O(N) per call.
         """
         dead = []
-        for member in self.members.values():
-            if member.state in (MemberState.WAITING, MemberState.ACTIVE):
-                silent = now - member.last_heartbeat
-                if silent > self.settings.heartbeat_timeout:
-                    self.mark_dead(member.id, f"no heartbeat for {silent:.1f} s", now)
-                    dead.append(member.id)
+        timeout = self.settings.heartbeat_timeout
+        heap = self._deadlines
+        while heap and heap[0][0] < now:
+            deadline, member_id = heapq.heappop(heap)
+            if self._armed.get(member_id) != deadline:
+                continue  # a stale entry: the member's valid one is elsewhere in the heap
+            member = self.members.get(member_id)
+            if member is None or member.state.value not in _LIVE:
+                del self._armed[member_id]
+                continue
+            silent = now - member.last_heartbeat
+            if silent > timeout:
+                del self._armed[member_id]
+                self.mark_dead(member.id, f"no heartbeat for {silent:.1f} s", now)
+                dead.append(member.id)
+            else:
+                self._arm(member, floor=now)  # it heartbeat since: due a timeout after its newest one
         dead += self._expire_stragglers(now)
         self._check_quorum(now)
+        self._forget(now)
         return dead
+
+    def _forget(self, now: float) -> None:
+        """Forget members that died or left more than ``forget_after`` ago (oldest first), unless
+        the current generation names them."""
+        ended = self._ended
+        horizon = now - self.settings.forget_after
+        while ended and ended[0][0] < horizon:
+            at, member_id = ended.popleft()
+            member = self.members.get(member_id)
+            if member is None or member.state.value in _LIVE or member.ended_at != at:
+                continue  # it came back (or was forgotten) since
+            if self.current is not None and member_id in self.current.ranks:
+                member.ended_at = now  # still named by the generation: look again later
+                ended.append((now, member_id))
+                continue
+            del self.members[member_id]
+            self._counts[member.state] -= 1
+            self._armed.pop(member_id, None)
+            self.changed_members.discard(member_id)
 
     def _stuck_for(self, member: Member, since: float, now: float) -> float | None:
         """Seconds that ``member`` has made no progress since ``since``, if that is beyond its
@@ -314,24 +474,30 @@ class Membership:
         wait for them: inside a collective, to join the next generation, or after it broke.
 
         Progress, not silence, decides: a member whose counter moved within its limit is busy in
-        a long step, never stuck, whatever the state of its generation."""
+        a long step, never stuck, whatever the state of its generation.
+
+        O(1) (amortized) unless someone has waited longer than ``progress_timeout``: nobody can be
+        stuck for longer than the wait that makes them a straggler."""
         if self.current is None:
             return []
         limit = self.settings.progress_timeout
-        active = [self.members[m] for m in self.current.members if self.members[m].state is MemberState.ACTIVE]
         if self.generation_state is GenerationState.BROKEN:
             since = self.broken_at if self.broken_at is not None else now
-            candidates = active
+            if now - since <= limit:
+                return []
+            candidates = [self.members[m] for m in self.current.members if self.members[m].state is MemberState.ACTIVE]
             why = "made no progress for {idle:.1f} s after its generation broke"
         else:
-            members = [self.members[m] for m in self.current.members]
-            waited = [now - m.blocked_since for m in active if m.blocked_since is not None]
             # Members that left this generation to join the next wait for the rest just the same.
-            waited += [now - m.waiting_since for m in members if m.state is MemberState.WAITING and m.waiting_since is not None]
-            if not waited or max(waited) <= limit:
+            longest = self._longest_wait_since()
+            if longest is None or now - longest <= limit or now - self.current.formed_at <= limit:
                 return []
             since = self.current.formed_at
-            candidates = [m for m in active if m.blocked_since is None]
+            candidates = [
+                m
+                for m in (self.members[i] for i in self.current.members)
+                if m.state is MemberState.ACTIVE and m.blocked_since is None
+            ]
             why = "made no progress for {idle:.1f} s while a peer waited for it"
         dead = []
         for member in candidates:
@@ -358,12 +524,32 @@ class Membership:
                 f"only {live} live member(s), below the minimum of {self.settings.min_members},"
                 f" for more than quorum_timeout={self.settings.quorum_timeout:.0f} s"
             )
+            self.version += 1
+
+    def _cannot_form(self, now: float) -> Decision | None:
+        """The reason :func:`decide` would give for not forming, from the counts alone (O(1));
+        None when it might form (then :func:`decide` runs, O(N), once per formation)."""
+        waiting = self._counts[MemberState.WAITING]
+        if not waiting:
+            return Decision(False, reason="nobody waits to join")
+        busy = self._counts[MemberState.ACTIVE]
+        if busy:
+            return Decision(False, reason=f"waiting for {busy} active member(s) to reach a step boundary")
+        if self.current is None and waiting < self.settings.expected_members:
+            if self.first_wait is None or now - self.first_wait < self.settings.start_grace:
+                return Decision(False, reason=f"first generation: {waiting} of {self.settings.expected_members} expected members")
+        if waiting < self.settings.min_members:
+            return Decision(False, reason=f"{waiting} member(s) waiting, minimum is {self.settings.min_members}")
+        return None
 
     def maybe_form(self, now: float) -> tuple[Generation | None, Decision]:
         if self.finished:
             return None, Decision(False, reason="job finished")
         if self.failed:
             return None, Decision(False, reason=self.failed)
+        early = self._cannot_form(now)
+        if early is not None:
+            return None, early
         decision = decide(self.members, self.current, self.settings, self.first_wait, now)
         if not decision.form:
             return None, decision
@@ -371,20 +557,24 @@ class Membership:
         generation = Generation(number, decision.members, formed_at=now)
         for member_id in decision.members:
             member = self.members[member_id]
-            member.state = MemberState.ACTIVE
             member.waiting_since = None
             member.blocked_on = member.blocked_since = None
             member.progress_at = now
+            self._enter(member, MemberState.ACTIVE, now)
         self.current = generation
         self.generation_state = GenerationState.ACTIVE
         self.broken_at = None
+        self._waits = []
         self.history.append(generation)
+        if len(self.history) > self.settings.history_limit:
+            del self.history[: -self.settings.history_limit]
+        self.version += 1
         return generation, decision
 
     # -- views ---------------------------------------------------------------------------------
 
     def reconfigure_wanted(self) -> bool:
-        """True when members of the current generation should come to join a new one."""
+        """True when members of the current generation should come to join a new one. O(1)."""
         if self.generation_state is GenerationState.BROKEN:
             return True
         full = (
@@ -392,16 +582,28 @@ class Membership:
             and self.settings.max_members is not None
             and len(self.current.members) >= self.settings.max_members
         )
-        return not full and any(m.state is MemberState.WAITING for m in self.members.values())
+        return not full and self._counts[MemberState.WAITING] > 0
 
     def live_count(self) -> int:
-        return sum(m.state in (MemberState.WAITING, MemberState.ACTIVE) for m in self.members.values())
+        return self._counts[MemberState.WAITING] + self._counts[MemberState.ACTIVE]
 
     def committed_step(self) -> int:
-        return max((m.step for m in self.members.values()), default=0)
+        """The highest step any member has reported (kept as reports arrive, O(1))."""
+        return self._max_step
+
+    def shared_view(self) -> tuple[Any, ...]:
+        """The part of every member's view that is the same for all of them: when it changes,
+        every long poll must answer; otherwise only those of :attr:`changed_members`."""
+        return (
+            self.current.number if self.current else 0,
+            self.generation_state is GenerationState.BROKEN,
+            self.reconfigure_wanted(),
+            self.finished,
+            self.failed,
+        )
 
     def view_for(self, member_id: str) -> dict[str, Any]:
-        """What a member learns from a heartbeat reply."""
+        """What a member learns from a heartbeat reply. O(1)."""
         member = self.members.get(member_id)
         return {
             "generation": self.current.number if self.current else 0,

@@ -1,0 +1,192 @@
+"""The coordinator at thousands of members: counts kept as states change, deadlines in a heap,
+wake-ups only for the polls a change concerns, lean replies, and a bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.membership import Membership, MembershipSettings, MemberState
+
+FAST = settings(max_examples=150, deadline=None)
+
+
+def _recount(m: Membership) -> dict[MemberState, int]:
+    counts = {state: 0 for state in MemberState}
+    for member in m.members.values():
+        counts[member.state] += 1
+    return counts
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["join", "heartbeat", "dead", "leave", "failure", "form", "expire"]),
+        st.sampled_from(["a", "b", "c", "d", "e"]),
+        st.integers(0, 3),
+    ),
+    max_size=60,
+)
+
+
+@FAST
+@given(operations)
+def test_the_counts_per_state_always_equal_a_recount_and_the_views_agree_with_the_members(ops):
+    m = Membership(MembershipSettings(heartbeat_timeout=2.0, expected_members=2, forget_after=3.0, history_limit=2))
+    now = 0.0
+    for op, member, arg in ops:
+        now += 0.5 * arg
+        if op == "join":
+            m.join(member, "n", None, arg, now)
+        elif op == "heartbeat":
+            m.heartbeat(member, arg, now, blocked_on="allreduce" if arg == 1 else None)
+        elif op == "dead":
+            m.mark_dead(member, "killed", now)
+        elif op == "leave":
+            m.leave(member, finished=False, step=arg, now=now)
+        elif op == "failure" and m.current is not None:
+            m.report_failure(member, m.current.number, now)
+        elif op == "form":
+            m.maybe_form(now)
+        else:
+            m.expire(now)
+        assert {s: m.count(s) for s in MemberState} == _recount(m)
+        live = sum(x.state in (MemberState.WAITING, MemberState.ACTIVE) for x in m.members.values())
+        assert m.live_count() == live
+        assert len(m.history) <= 2
+        assert m.committed_step() >= max((x.step for x in m.members.values()), default=0)
+
+
+def test_a_silent_member_is_declared_dead_once_its_deadline_passes_and_a_heartbeat_moves_it():
+    m = Membership(MembershipSettings(heartbeat_timeout=5.0, expected_members=2))
+    m.join("a", "n", None, 0, now=0.0)
+    m.join("b", "n", None, 0, now=0.0)
+    m.maybe_form(0.0)
+    m.heartbeat("a", 0, now=4.0)
+    assert m.expire(5.5) == ["b"]
+    assert m.expire(8.9) == []
+    m.heartbeat("a", 0, now=8.0)
+    assert m.expire(12.9) == []
+    assert m.expire(13.1) == ["a"]
+
+
+def test_expire_costs_the_deadlines_that_came_due_not_every_member():
+    m = Membership(MembershipSettings(heartbeat_timeout=5.0, expected_members=20_000))
+    for i in range(20_000):
+        m.join(f"m{i}", "n", None, 0, now=0.0)
+    m.maybe_form(0.0)
+    started = time.perf_counter()
+    for tick in range(1000):
+        assert m.expire(0.001 * tick) == []
+        assert not m.reconfigure_wanted()
+    # a scan of 20,000 members per call took about 2 s for these 1,000 calls
+    assert time.perf_counter() - started < 0.5
+
+
+def test_members_gone_for_longer_than_forget_after_are_forgotten_unless_the_generation_names_them():
+    m = Membership(MembershipSettings(heartbeat_timeout=100.0, expected_members=2, forget_after=10.0, history_limit=3))
+    for member in "abc":
+        m.join(member, "n", None, 0, now=0.0)
+    m.maybe_form(0.0)
+    m.leave("c", finished=False, step=0, now=1.0)  # in the current generation, which it broke
+    m.mark_dead("ghost", "exited before joining", now=1.0)
+    m.expire(5.0)
+    assert {"c", "ghost"} <= set(m.members)
+    m.expire(12.0)
+    assert "ghost" not in m.members and "c" in m.members  # generation 1 still names c
+    m.join("a", "n", None, 0, now=12.0)
+    m.join("b", "n", None, 0, now=12.0)
+    m.maybe_form(12.0)
+    m.expire(30.0)
+    assert "c" not in m.members and m.live_count() == 2
+    for round_ in range(5):
+        m.join("a", "n", None, 0, now=31.0 + round_)
+        m.join("b", "n", None, 0, now=31.0 + round_)
+        m.maybe_form(31.0 + round_)
+    assert [g.number for g in m.history] == [5, 6, 7]
+
+
+class _Request:
+    def __init__(self, body: dict | None = None, query: dict | None = None) -> None:
+        self._body = body or {}
+        self.query = query or {}
+        self.transport = None
+
+    async def json(self) -> dict:
+        return self._body
+
+
+def _coordinator(**membership):
+    from unbroken.coordinator import Coordinator, CoordinatorSettings
+
+    return Coordinator(CoordinatorSettings(hold=0.5), MembershipSettings(**membership))
+
+
+def test_a_lean_join_reply_names_no_members_and_the_members_are_fetched_by_generation():
+    coordinator = _coordinator(expected_members=1)
+
+    async def run():
+        lean = json.loads((await coordinator._join(_Request({"member": "a", "lean": True}))).text)
+        listed = json.loads((await coordinator._members(_Request(query={"generation": "1"}))).body)
+        one = json.loads((await coordinator._members(_Request(query={"generation": "1", "rank": "0"}))).text)
+        return lean, listed, one
+
+    lean, listed, one = asyncio.run(run())
+    assert lean["status"] == "formed" and "members" not in lean
+    assert (lean["generation"], lean["size"], lean["rank"]) == (1, 1, 0)
+    assert listed == {"generation": 1, "members": ["a"]}
+    assert one == {"generation": 1, "member": "a"}
+
+
+def test_a_change_of_one_members_state_wakes_only_that_members_poll():
+    coordinator = _coordinator(expected_members=3)
+
+    async def run():
+        coordinator.state.join("a", "n", None, 0, time.monotonic())
+        coordinator._bump()
+        waiting_a = asyncio.ensure_future(coordinator._wait_change(5.0, "a"))
+        waiting_c = asyncio.ensure_future(coordinator._wait_change(5.0, "c"))
+        await asyncio.sleep(0)
+        coordinator.state.mark_dead("c", "exited", time.monotonic())  # c is not in any generation
+        coordinator.state.join("c", "n", None, 0, time.monotonic())
+        coordinator._bump()
+        await asyncio.sleep(0)
+        woken = (waiting_a.done(), waiting_c.done())
+        coordinator.state.join("b", "n", None, 0, time.monotonic())  # the third: a generation forms
+        coordinator._bump()
+        await asyncio.sleep(0)
+        return woken, waiting_a.done()
+
+    woken, a_after_formation = asyncio.run(run())
+    assert woken == (False, True)
+    assert a_after_formation
+
+
+def test_a_roster_fetches_single_ids_then_the_whole_list_once_and_names_unknown_ranks():
+    from unbroken.errors import CoordinatorUnreachable
+    from unbroken.roster import Roster
+
+    class Client:
+        def __init__(self, members):
+            self.members, self.requests = members, []
+
+        def request(self, method, path):
+            self.requests.append(path)
+            if self.members is None:
+                raise CoordinatorUnreachable("404")
+            if "rank=" in path:
+                return {"member": self.members[int(path.rsplit("=", 1)[1])]}
+            return {"members": self.members}
+
+    client = Client([f"m{i}" for i in range(20)])
+    roster = Roster(client, 4, 20, "m3", 3)
+    assert len(roster) == 20 and client.requests == []
+    assert roster[3] == "m3" and client.requests == []
+    assert [roster[i] for i in range(12)] == [f"m{i}" for i in range(12)]
+    assert list(roster) == client.members
+    assert sum("rank=" not in r for r in client.requests) == 1
+    gone = Roster(Client(None), 4, 3, "m1", 1)
+    assert list(gone) == ["rank0", "m1", "rank2"] and gone[0] == "rank0"
