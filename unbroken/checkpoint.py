@@ -99,15 +99,68 @@ def young_daly_interval(save_cost: float, mtbf: float) -> float:
     return math.sqrt(2.0 * max(save_cost, 1e-6) * mtbf)
 
 
-def snapshot(state: Any) -> Any:
-    """A copy of ``state`` in host memory whose tensors share nothing with training."""
+def snapshot(state: Any, pool: "PinnedPool | None" = None) -> Any:
+    """A copy of ``state`` in host memory whose tensors share nothing with training.
+
+    A GPU tensor is copied into a page-locked host buffer (from ``pool`` when given) by an
+    asynchronous copy on the current CUDA stream: the caller must wait for the stream (see
+    :func:`copies_done`) before reading the copy. Kernels queued later on that stream (the
+    optimizer's) run after the copy, so training can go on at once."""
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        tensor = state.detach()
+        if tensor.device.type == "cuda":
+            host = pool.take(tensor) if pool is not None else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            return host
+        return tensor.to("cpu", copy=True)
     if isinstance(state, dict):
-        return {k: snapshot(v) for k, v in state.items()}
+        return {k: snapshot(v, pool) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(snapshot(v) for v in state)
+        return type(state)(snapshot(v, pool) for v in state)
     return state
+
+
+def copies_done(state: Any) -> Callable[[], None]:
+    """A function that waits until the asynchronous copies :func:`snapshot` queued for ``state``
+    (a GPU state) have landed; a no-op when CUDA is not in use."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized() or not _has_gpu_tensor(state):
+        return lambda: None
+    event = torch.cuda.Event()
+    event.record()
+    return event.synchronize
+
+
+def _has_gpu_tensor(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        return state.device.type == "cuda"
+    if isinstance(state, dict):
+        return any(_has_gpu_tensor(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_has_gpu_tensor(v) for v in state)
+    return False
+
+
+class PinnedPool:
+    """Page-locked host buffers for GPU snapshots, kept from one save to the next (pinning
+    memory is slow: it is done once per tensor shape, not once per save). One save uses them
+    at a time (the :class:`Saver` has one in flight)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._lent: list[torch.Tensor] = []
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, tuple(like.shape))
+        free = self._free.get(key)
+        buffer = free.pop() if free else torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        self._lent.append(buffer)
+        return buffer
+
+    def give_back(self) -> None:
+        """Every buffer lent is free again (the save that used them is over)."""
+        for buffer in self._lent:
+            self._free.setdefault((buffer.dtype, tuple(buffer.shape)), []).append(buffer)
+        self._lent = []
 
 
 class MemoryFile(io.RawIOBase):
@@ -379,6 +432,7 @@ class Saver:
         """The step whose write is in flight (None when idle)."""
         self.last_stall = 0.0
         self.error: BaseException | None = None
+        self._pool = PinnedPool()
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> float | None:
         """Copy ``state`` to memory and start writing it; returns the stall in seconds, or None
@@ -386,16 +440,21 @@ class Saver:
         if self.busy():
             return None
         started = time.perf_counter()
-        copy = snapshot(state)
+        pool = self._pool if _has_gpu_tensor(state) else None
+        copy = snapshot(state, pool)
+        landed = copies_done(state) if pool is not None else (lambda: None)
         self.last_stall = time.perf_counter() - started
         self.writing = step
-        self._thread = threading.Thread(target=self._persist, args=(step, copy, meta, self.last_stall), name="unbroken-checkpoint", daemon=True)
+        self._thread = threading.Thread(target=self._persist, args=(step, copy, meta, self.last_stall, landed, pool),
+                                        name="unbroken-checkpoint", daemon=True)
         self._thread.start()
         return self.last_stall
 
-    def _persist(self, step: int, copy: dict[str, Any], meta: dict[str, Any], stall: float) -> None:
+    def _persist(self, step: int, copy: dict[str, Any], meta: dict[str, Any], stall: float,
+                 landed: Callable[[], None] = lambda: None, pool: PinnedPool | None = None) -> None:
         started = time.perf_counter()
         try:
+            landed()  # the device-to-host copies of a GPU state, queued by save()
             buffer = MemoryFile(capacity=_tensor_bytes(copy) + (1 << 20))
             torch.save(copy, buffer)
             del copy
@@ -409,6 +468,9 @@ class Saver:
             self.error = exc
             log.error("checkpoint of step %d failed: %s", step, exc)
             print(f"unbroken: error: checkpoint of step {step} failed: {exc}", flush=True)
+        finally:
+            if pool is not None:
+                pool.give_back()
 
     def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:

@@ -50,6 +50,8 @@ def _add_run_workers(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
     _flag(p, "--quarantine-cooloff", type=float, default=d["quarantine_cooloff"].default,
           help="seconds a quarantined slot is not started; then it starts again with a fresh budget (default %(default)s)")
     _flag(p, "--run-dir", default=None, help="logs and events go here (default unbroken-runs/<time>-<pid>)")
+    _flag(p, "--backend", choices=["auto", "gloo", "nccl"], default=d["backend"].default,
+          help="collective backend of the workers: gloo (CPU or CUDA tensors), nccl (CUDA), or auto: NCCL when the model is on a GPU (default %(default)s)")
 
 
 def _add_run_coordinator(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
@@ -184,6 +186,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         progress_interval=args.progress_interval,
         chaos=args.chaos,
         record_samples=args.record_samples,
+        backend=args.backend,
         token=args.token or env.get("UNBROKEN_TOKEN") or None,
         etcd=place.etcd,
         job_id=place.job_id,

@@ -1,6 +1,6 @@
 """Bucketed gradient allreduce, overlapped with the last micro-batch's backward.
 
-Parameters are grouped into buckets (by dtype, in reverse registration order, which is roughly
+Parameters are grouped into buckets (by dtype and device, in reverse registration order, which is roughly
 the order autograd produces their gradients). During the backward of a step's last micro-batch a
 hook notes each parameter whose gradient is final; a bucket whose parameters are all final is
 copied into its flat buffer and its allreduce starts at once, while autograd keeps working on the
@@ -10,6 +10,10 @@ same order whatever its share of the batch (an empty share launches them all at 
 Each bucket also carries one presence slot per parameter, so a gradient that no member produced
 stays ``None`` as it would in a single process, and bucket 0 carries the step's control slots
 (the reconfigure flag and the share-weighted loss), summed over members for free.
+
+Buckets live on their parameters' device: CUDA gradients are reduced in CUDA memory (by NCCL, or
+by Gloo, which takes CUDA tensors), without a copy through the host. The control slots share the
+first bucket's dtype and device.
 """
 
 from __future__ import annotations
@@ -80,12 +84,13 @@ class GradientReducer:
     def _build(self, cap: int, first_cap: int) -> None:
         # Like DDP, the first bucket (the last layers' gradients, ready first) is small so that
         # communication starts early in the backward.
-        pending: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        sizes: dict[torch.dtype, int] = {}
+        # keyed by (dtype, device): one flat buffer holds one dtype on one device
+        pending: dict[Any, list[torch.nn.Parameter]] = {}
+        sizes: dict[Any, int] = {}
 
-        def close(dtype: torch.dtype) -> None:
-            params = pending.pop(dtype, [])
-            sizes.pop(dtype, None)
+        def close(key: Any) -> None:
+            params = pending.pop(key, [])
+            sizes.pop(key, None)
             if params:
                 offsets, total = [], 0
                 for p in params:
@@ -93,19 +98,20 @@ class GradientReducer:
                     total += p.numel()
                 control = not self.buckets
                 extra = len(params) + (CONTROL_SLOTS if control else 0)
-                flat = torch.zeros(total + extra, dtype=dtype, device=params[0].device)
+                flat = torch.zeros(total + extra, dtype=params[0].dtype, device=params[0].device)
                 bucket = Bucket(params, offsets, total, flat, control=control)
                 self.buckets.append(bucket)
                 for p in params:
                     self._bucket_of[id(p)] = bucket
 
         for p in reversed(self.params):
-            pending.setdefault(p.dtype, []).append(p)
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
-            if sizes[p.dtype] >= (first_cap if not self.buckets else cap):
-                close(p.dtype)
-        for dtype in list(pending):
-            close(dtype)
+            key = (p.dtype, p.device)
+            pending.setdefault(key, []).append(p)
+            sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+            if sizes[key] >= (first_cap if not self.buckets else cap):
+                close(key)
+        for key in list(pending):
+            close(key)
 
     # -- per step ------------------------------------------------------------------------------
 

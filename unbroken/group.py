@@ -1,9 +1,11 @@
 """One generation's process group, and waits on it that a coordinator verdict can cut short.
 
-A Gloo collective that waits on a dead or stopped peer blocks until the group's timeout. Every
+A collective that waits on a dead or stopped peer blocks until the group's timeout. Every
 wait here is instead done in slices: it ends as soon as the work completes, the coordinator says
 the generation is over (a verdict reached through the heartbeat thread), or the collective
-timeout passes, whichever comes first. An abandoned group is never destroyed while work may be
+timeout passes, whichever comes first. An abandoned NCCL group has its communicator aborted at
+once (:meth:`GenerationGroup.abort`), which fails its pending work and frees its CUDA stream; the
+next generation makes a fresh one. An abandoned Gloo group is never destroyed while work may be
 pending on it (destroying it would block): it is parked in the :class:`Graveyard`, which releases
 it (its sockets and threads) once its pending work has completed or can no longer be running.
 
@@ -25,6 +27,44 @@ import torch
 import torch.distributed as dist
 
 from unbroken.errors import GenerationFailed
+
+
+class Transport:
+    """Which backend a process's generation groups use, and the device their point-to-point
+    messages and small collectives go through: the CPU for Gloo, the worker's GPU for NCCL.
+    One :class:`~unbroken.runtime.Job` per process sets it (:func:`set_transport`)."""
+
+    def __init__(self, backend: str = "gloo", device: torch.device | str = "cpu") -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        self.backend = backend
+        self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"Transport({self.backend!r}, {str(self.device)!r})"
+
+
+_transport = Transport()
+
+
+def set_transport(backend: str, device: torch.device | str) -> None:
+    """Set the backend (gloo or nccl) and device of the groups this process builds from now on."""
+    global _transport
+    _transport = Transport(backend, device)
+
+
+def nccl_environment(timeout: float) -> dict[str, str]:
+    """The torch NCCL settings a generation group needs, unless the user set them already.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly): when torch's own watchdog sees a failed
+    or timed-out collective it aborts the communicator but leaves the process alive (1, torch's
+    default, would tear the process down, which is what unbroken exists to avoid).
+    ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: non-blocking NCCL calls (init, abort) give up after the
+    collective timeout instead of torch's default 30 minutes, as torchft does."""
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, int(timeout))),
+    }
 
 
 
@@ -54,7 +94,13 @@ class GenerationGroup:
         wake: threading.Event,
         timeout: float,
         blocked: Callable[[str | None], None] = lambda what: None,
+        transport: Transport | None = None,
     ) -> None:
+        transport = transport or _transport
+        self.backend = transport.backend
+        self.device = transport.device
+        """Where point-to-point messages and small collectives go: CPU (Gloo) or the GPU (NCCL)."""
+        self.aborted = False
         self.number = number
         self.rank = rank
         self.size = size
@@ -72,11 +118,19 @@ class GenerationGroup:
     # -- construction --------------------------------------------------------------------------
 
     def connect(self, store: dist.Store, prefix: str, store_host: str) -> None:
-        """Build the Gloo group (a full-mesh connect) on a helper thread, watched like a wait."""
+        """Build the group on a helper thread, watched like a wait: Gloo's full-mesh connect, or
+        an NCCL group (whose communicator is made by its first collective, also watched)."""
         result: list[Any] = []
+        if self.backend == "nccl":
+            for key, value in nccl_environment(self.timeout).items():
+                os.environ.setdefault(key, value)  # read by torch when the group is made
 
         def build() -> None:
             try:
+                if self.backend == "nccl":
+                    result.append(_nccl_group(dist.PrefixStore(prefix, store), self.rank, self.size, self.timeout, self.device))
+                    self._wake.set()
+                    return
                 options = dist.ProcessGroupGloo._Options()
                 options._timeout = datetime.timedelta(seconds=self.timeout)
                 options._devices = [_device(store_host)]
@@ -102,8 +156,22 @@ class GenerationGroup:
         self._blocked(f"g{self.number}:{self._waits}:{what}")  # for the coordinator's progress watchdog
         try:
             self._watch_loop(done, what)
+        except GenerationFailed:
+            # An NCCL collective that waits on a dead peer never ends by itself and keeps its
+            # CUDA stream blocked: abort the communicator so that the stream and every pending
+            # work are released. (Gloo's are left to fail by their own timeout, in the graveyard.)
+            self.abort()
+            raise
         finally:
             self._blocked(None)
+
+    def abort(self) -> None:
+        """NCCL: abort this generation's communicator (ncclCommAbort); every pending collective
+        fails and the group cannot be used again. Gloo: nothing (see :class:`Graveyard`)."""
+        if self.backend != "nccl" or self.pg is None or self.aborted:
+            return
+        self.aborted = True
+        _abort_nccl(self.pg, self.device)
 
     def _watch_loop(self, done: Callable[[], bool], what: str, bounded: bool = True, poll: float = 1.0) -> None:
         deadline = time.monotonic() + self.timeout if bounded else float("inf")
@@ -191,6 +259,7 @@ class GenerationGroup:
             self._watch(lambda: bool(outcome), what)
             error = outcome[0]
         if error is not None:
+            self.abort()  # NCCL: a failed collective leaves its communicator unusable
             raise GenerationFailed(f"generation {self.number}: {what} failed: {error}") from None
 
     # -- collectives ---------------------------------------------------------------------------
@@ -207,25 +276,61 @@ class GenerationGroup:
         self.wait(work, what)
 
     def allgather_rows(self, row: torch.Tensor, what: str) -> torch.Tensor:
-        """Every member's ``row`` (a 1-D tensor of equal length), as a matrix indexed by rank."""
-        table = torch.zeros(self.size, row.numel(), dtype=row.dtype)
-        table[self.rank] = row
+        """Every member's ``row`` (a 1-D tensor of equal length), as a CPU matrix indexed by rank."""
+        table = torch.zeros(self.size, row.numel(), dtype=row.dtype, device=self.device)
+        table[self.rank] = row.to(self.device)
         self.allreduce(table, what)
-        return table
+        return table.cpu()
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        """Send ``tensor`` (contiguous) to rank ``dst``; one on another device than this group's
+        goes through a copy on it (a CUDA tensor over Gloo, a CPU tensor over NCCL)."""
+        staged = tensor if tensor.device == self.device else tensor.to(self.device)
         try:
-            work = self._issued(self.pg.send([tensor], dst, tag))
+            work = self._issued(self.pg.send([staged], dst, tag))
         except Exception as exc:
             raise GenerationFailed(f"generation {self.number}: {what} failed to start: {exc}") from None
         self.wait(work, what)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
+        """Receive into ``tensor`` (contiguous) from rank ``src``, through a copy on this group's
+        device if ``tensor`` is on another."""
+        staged = tensor if tensor.device == self.device else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
         try:
-            work = self._issued(self.pg.recv([tensor], src, tag))
+            work = self._issued(self.pg.recv([staged], src, tag))
         except Exception as exc:
             raise GenerationFailed(f"generation {self.number}: {what} failed to start: {exc}") from None
         self.wait(work, what)
+        if staged is not tensor:
+            tensor.copy_(staged)
+
+
+def _nccl_group(store: dist.Store, rank: int, size: int, timeout: float, device: torch.device) -> Any:
+    """A ``ProcessGroupNCCL`` for one generation, bound to ``device``. CUDA only."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=timeout)
+    torch.cuda.set_device(device)
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _abort_nccl(pg: Any, device: torch.device) -> None:
+    """Abort an NCCL group's communicators, by whichever call this torch offers."""
+    for target in (pg, _backend_of(pg, device)):
+        for name in ("abort", "_abort", "shutdown"):
+            method = getattr(target, name, None)
+            if callable(method):
+                try:
+                    method()
+                    return
+                except Exception:
+                    continue
+
+
+def _backend_of(pg: Any, device: torch.device) -> Any:
+    try:
+        return pg._get_backend(device)
+    except Exception:
+        return None
 
 
 def _completed(work: Any) -> bool:
@@ -255,6 +360,7 @@ class Graveyard:
     def park(self, group: GenerationGroup) -> None:
         if group.pg is None:
             return
+        group.abort()  # NCCL: nothing of an abandoned generation may keep a CUDA stream blocked
         pending = max(1, len(group.works))
         with self._lock:
             self._parked.append((group, time.monotonic() + group.timeout * pending + 1.0))

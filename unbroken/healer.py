@@ -88,7 +88,8 @@ class Healer:
                 seconds=time.monotonic() - started,
             )
         elif group.rank in plan.receivers:
-            state, received = healing.recv_state(group, plan.source, job._tick)
+            gpu = job._device if job._device.type == "cuda" else None
+            state, received = healing.recv_state(group, plan.source, job._tick, gpu)
             job._load(state)
             job.fresh = False
             log.info("%s: healed to step %d from %s (%d bytes)", job.member_id, job.next_step, group.members[plan.source], received)

@@ -50,7 +50,7 @@ from unbroken.group import GenerationGroup
 from unbroken.prefault import Prefault as _Prefault
 from unbroken.safe_unpickle import SafeUnpickler, safe_loads
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 """Version of the healing wire format; a receiver refuses a state of another version."""
 MAGIC = 0x756E62726B6E6865  # "unbrknhe": the first int64 of every header
 LARGE_BYTES = 1 << 20
@@ -140,10 +140,14 @@ def state_digest(state: Any) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """The RNG states of torch (CPU, and the CUDA device ``device`` when it is one), ``random``
+    and numpy (if imported)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     import sys
 
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state(device)
     if "numpy" in sys.modules:
         import numpy
 
@@ -153,15 +157,18 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Put back what :func:`rng_state` took. A CUDA state goes to ``device`` if it is a CUDA
+    device; a state without one (taken on a CPU member) leaves the CUDA RNG as it is."""
+    torch.set_rng_state(state["torch"].cpu())  # a state healed over NCCL may arrive on a GPU
     random.setstate(state["python"])
+    if state.get("cuda") is not None and device is not None and device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
     if "numpy" in state:
         import numpy
 
         name, keys, position, has_gauss, cached = state["numpy"]
         numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), position, has_gauss, cached))
-
 
 
 # -- skeleton and tensors ------------------------------------------------------------------------
@@ -173,6 +180,8 @@ class TensorSpec:
 
     dtype: torch.dtype
     shape: tuple[int, ...]
+    on_gpu: bool = False
+    """Whether the sender holds it in GPU memory: a receiver with a GPU puts it on its own."""
 
     @property
     def numel(self) -> int:
@@ -239,7 +248,7 @@ def split(state: Any) -> tuple[Skeleton, list[torch.Tensor]]:
     buffer = io.BytesIO()
     splitter = _Splitter(buffer)
     splitter.dump(state)
-    specs = tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in splitter.tensors)
+    specs = tuple(TensorSpec(t.dtype, tuple(t.shape), t.device.type == "cuda") for t in splitter.tensors)
     return Skeleton(buffer.getvalue(), specs), splitter.tensors
 
 
@@ -283,11 +292,9 @@ def messages(specs: tuple[TensorSpec, ...]) -> list[tuple]:
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a flat, contiguous CPU tensor: itself (a view) if it already is one."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()  # for now: a GPU tensor goes through host memory
-    return tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    """``tensor`` as a flat, contiguous tensor on its own device: itself (a view) if it already
+    is one. The group stages it through its own device if that differs (a GPU tensor over Gloo)."""
+    return tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
 
 
 # -- receiving into new memory ---------------------------------------------------------------------
@@ -337,10 +344,11 @@ def send_state(
         else:
             _, _, indices = message
             parts = [tensors[i].detach().resolve_conj().resolve_neg().reshape(-1) for i in indices]
+            device = getattr(group, "device", torch.device("cpu"))
             if len({part.device for part in parts}) == 1:
-                buffer = _flat(torch.cat(parts))  # on a GPU: one copy to the host per pack
+                buffer = torch.cat(parts).to(device)  # a pack of GPU tensors over Gloo: one copy to the host
             else:
-                buffer = torch.cat([_flat(part) for part in parts])
+                buffer = torch.cat([part.to(device) for part in parts])
             del parts
             group.send(buffer, dst, TAG_PACK, "healing transfer (small tensors)")
         sent += buffer.numel() * buffer.element_size()
@@ -348,16 +356,18 @@ def send_state(
     return sent
 
 
-def recv_state(group: GenerationGroup, src: int, progress: Callable[[], None] = lambda: None) -> tuple[dict[str, Any], int]:
+def recv_state(
+    group: GenerationGroup, src: int, progress: Callable[[], None] = lambda: None, gpu: torch.device | None = None
+) -> tuple[dict[str, Any], int]:
     """Receive a state sent by :func:`send_state` from rank ``src``; returns (state, bytes
     received). ``progress`` is called after every message received.
 
     Nothing is loaded into the caller's objects: a transfer cut by a failure
     (:class:`GenerationFailed`) leaves the receiver as it was. Every tensor arrives as a plain,
-    contiguous CPU tensor with its own memory, of the sender's dtype, shape and values: a
+    contiguous tensor with its own memory, of the sender's dtype, shape and values: a
     non-contiguous tensor or a view arrives as a contiguous copy, tensors that share memory in
-    the sender (a view and its base) arrive as separate tensors, a GPU tensor arrives on the CPU,
-    a Parameter arrives as a plain tensor (state_dicts hold plain tensors). One tensor object
+    the sender (a view and its base) arrive as separate tensors, a GPU tensor arrives on ``gpu``
+    (on the CPU when ``gpu`` is None), a CPU tensor on the CPU, a Parameter arrives as a plain tensor (state_dicts hold plain tensors). One tensor object
     that appears twice in the state arrives as one object, twice.
     Raises :class:`ConfigError` if the sender runs another version of the wire format.
     """
@@ -381,12 +391,14 @@ def recv_state(group: GenerationGroup, src: int, progress: Callable[[], None] = 
     large = []  # allocated now (no memory is touched yet), in the order they arrive
     for message in plan_:
         if message[0] == "slice" and tensors[message[1]] is None:
-            tensors[message[1]] = torch.empty(specs[message[1]].shape, dtype=specs[message[1]].dtype)
-            large.append(tensors[message[1]])
+            spec = specs[message[1]]
+            tensors[message[1]] = torch.empty(spec.shape, dtype=spec.dtype, device=_place(spec, gpu))
+            if tensors[message[1]].device.type == "cpu":
+                large.append(tensors[message[1]])
     prefault = _Prefault(large) if PREFAULT else None
     del large
     try:
-        received = _receive_tensors(group, src, plan_, specs, tensors, progress)
+        received = _receive_tensors(group, src, plan_, specs, tensors, progress, gpu)
     finally:
         if prefault is not None:
             prefault.stop()
@@ -395,12 +407,17 @@ def recv_state(group: GenerationGroup, src: int, progress: Callable[[], None] = 
     received += _HEADER_BYTES + manifest_bytes
     for index, spec in enumerate(specs):
         if tensors[index] is None:  # empty tensors travel in the manifest only
-            tensors[index] = torch.empty(spec.shape, dtype=spec.dtype)
+            tensors[index] = torch.empty(spec.shape, dtype=spec.dtype, device=_place(spec, gpu))
     return join(skeleton, tensors), received
 
 
+def _place(spec: TensorSpec, gpu: torch.device | None) -> torch.device:
+    """Where a received tensor goes: on this member's GPU if the sender held it on one."""
+    return gpu if spec.on_gpu and gpu is not None else torch.device("cpu")
+
+
 def _receive_tensors(group: GenerationGroup, src: int, plan_: list[tuple], specs: tuple[TensorSpec, ...],
-                     tensors: list[torch.Tensor | None], progress: Callable[[], None]) -> int:
+                     tensors: list[torch.Tensor | None], progress: Callable[[], None], gpu: torch.device | None = None) -> int:
     received = 0
     for message in plan_:
         if message[0] == "slice":
@@ -409,12 +426,14 @@ def _receive_tensors(group: GenerationGroup, src: int, plan_: list[tuple], specs
             group.recv(buffer, src, TAG_TENSOR, "healing transfer (tensor)")
         else:
             _, dtype, indices = message
-            buffer = torch.empty(sum(specs[i].numel for i in indices), dtype=dtype)
+            buffer = torch.empty(sum(specs[i].numel for i in indices), dtype=dtype, device=getattr(group, "device", "cpu"))
             group.recv(buffer, src, TAG_PACK, "healing transfer (small tensors)")
             offset = 0
             for i in indices:
                 count = specs[i].numel
-                tensors[i] = buffer[offset : offset + count].clone().reshape(specs[i].shape)
+                part = buffer[offset : offset + count].reshape(specs[i].shape)
+                place = _place(specs[i], gpu)
+                tensors[i] = part.clone() if part.device == place else part.to(place)
                 offset += count
         received += buffer.numel() * buffer.element_size()
         progress()

@@ -91,6 +91,10 @@ class LaunchSettings:
     """Fault schedule for the workers (see ``unbroken.chaos``)."""
     record_samples: bool = False
     """Workers log the stream positions of every step attempt (for exactly-once checks)."""
+    backend: str = "auto"
+    """Collective backend of the workers (``--backend``, passed as ``UNBROKEN_BACKEND``): ``gloo``,
+    ``nccl`` or ``auto`` (NCCL when the model is on a GPU). ``nccl`` on a machine without CUDA is
+    refused before any worker starts."""
     etcd: str | None = None
     """``HOST:PORT,...`` of an etcd cluster: the embedded coordinator is then one of several
     candidates (one per launcher), the one that leads serves, and the job survives the loss of
@@ -133,6 +137,9 @@ class LaunchSettings:
             raise ConfigError(f"--tee must name a local rank in 0..{self.nproc_per_node - 1}, got {self.tee}")
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script not found: {self.script!r}")
+        from unbroken.devices import check_backend_available
+
+        check_backend_available(self.backend)
         if self.chaos:
             from unbroken.chaos import parse
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from unbroken import healing
+from unbroken import devices, healing, mixed_precision
 from unbroken.chaos import Chaos
 from unbroken.checkpointing import Checkpointing
 from unbroken.data_plan import DataPlan
@@ -76,6 +76,10 @@ class Job:
         worker_init_fn: called with the worker id in each loader worker as it starts (open files
             there); randomness is seeded per sample from (seed, stream position), not here.
         extra_state: any object with ``state_dict``/``load_state_dict`` healed with the model.
+        scaler: a ``torch.amp.GradScaler`` for fp16 mixed precision: ``step.backward`` scales
+            each loss, ``step.commit`` unscales the reduced gradients, skips the step on inf/nan
+            (on every member alike) and updates the scale; healed and checkpointed with the model
+            (see :mod:`unbroken.mixed_precision`). Pass losses unscaled.
         settings: runtime settings (default: from the environment ``unbroken run`` sets).
         checkpoint: durable checkpoints (default: from ``UNBROKEN_CHECKPOINT_*``, which
             ``unbroken run --checkpoint-dir/--checkpoint-every`` set): where, how often, how many.
@@ -97,6 +101,7 @@ class Job:
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         extra_state: Any = None,
+        scaler: Any = None,
         settings: RuntimeSettings | None = None,
         checkpoint: "CheckpointSettings | None" = None,
     ) -> None:
@@ -111,6 +116,8 @@ class Job:
         self.dataset = dataset
         self.scheduler = scheduler
         self.extra_state = extra_state
+        mixed_precision.check_scaler(scaler, model)
+        self.scaler = scaler
         self.collate_fn = collate_fn
         self._loader = Loader(
             dataset, self.plan, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
@@ -118,6 +125,13 @@ class Job:
         )
         self.settings = settings or RuntimeSettings.from_env()
         self.distributed = self.settings.coordinator is not None
+        self._device = devices.model_device(model)
+        self.backend = devices.choose_backend(self.settings.backend, self._device) if self.distributed else "none"
+        if self.distributed:
+            devices.check_assigned(self._device)
+            from unbroken.group import set_transport
+
+            set_transport(self.backend, self._device)
         self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
         self.next_step = 0
         self.lineage: list[int] = []
@@ -268,7 +282,8 @@ class Job:
             "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
             "runtime": {"next_step": self.next_step, "lineage": list(self.lineage)},
             "plan": {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len},
-            "rng": healing.rng_state(),
+            "rng": healing.rng_state(self._device),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -284,7 +299,9 @@ class Job:
         self.next_step = state["runtime"]["next_step"]
         self.lineage = list(state["runtime"]["lineage"])
         self._digest = healing.lineage_digest(self.lineage)
-        healing.set_rng_state(state["rng"])
+        if self.scaler is not None and state.get("scaler"):  # absent from older states
+            self.scaler.load_state_dict(state["scaler"])
+        healing.set_rng_state(state["rng"], self._device)
         if self._joiner.heartbeat is not None:
             self._joiner.heartbeat.step = self.next_step
 

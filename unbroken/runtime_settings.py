@@ -49,12 +49,18 @@ class RuntimeSettings:
     """The job's shared secret for the coordinator (``UNBROKEN_TOKEN``; the launcher sets it)."""
     record_samples: bool = False
     """Log the stream positions of every step attempt to ``<run dir>/samples`` (``UNBROKEN_RECORD_SAMPLES``)."""
+    backend: str = "auto"
+    """Collective backend (``UNBROKEN_BACKEND``): ``gloo`` (CPU or CUDA tensors), ``nccl`` (CUDA
+    tensors; a blocked collective is abandoned by aborting the generation's communicator) or
+    ``auto``: NCCL when the model is on a GPU and NCCL is available, else Gloo."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.collective_timeout:
             raise ConfigError("need 0 < heartbeat_interval < collective_timeout")
         if not self.heartbeat_interval < self.lease:
             raise ConfigError(f"need heartbeat_interval ({self.heartbeat_interval}) < lease ({self.lease})")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
         for name in ("coordinator_timeout", "join_timeout", "bucket_cap_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

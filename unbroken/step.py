@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from unbroken import mixed_precision
 from unbroken.errors import GenerationFailed, LoopMisuse
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ class Step:
         self.reconfigure = False
         self.loss: float | None = None
         self.committed = False
+        self.skipped = False
+        """True once committed if a GradScaler found inf/nan gradients and skipped the optimizer
+        step (the same on every member: they all see the same reduced gradients)."""
         self.failed = False
         self.error: Exception | None = None
         self.started = time.monotonic()
@@ -104,7 +108,8 @@ class Step:
         if self._backwards == len(self._micro):
             self._arm()
         before = self.job._grad_count()
-        weighted.backward()
+        # With a GradScaler the gradients are of the scaled loss; commit() unscales them.
+        (weighted if self.job.scaler is None else self.job.scaler.scale(weighted)).backward()
         self._grads_in_backward += self.job._grad_count() - before
 
     def _check_loop(self) -> None:
@@ -206,14 +211,21 @@ class Step:
         return loss / count
 
     def _discard(self) -> None:
-        """Undo what a failed attempt changed: gradients and buffers."""
+        """Undo what a failed attempt changed: gradients, buffers and the scaler's record of
+        this step (an ``unscale_`` between reduce and a commit that failed)."""
         self.job.optimizer.zero_grad(set_to_none=True)
+        if self.job.scaler is not None:
+            mixed_precision.forget_step(self.job.scaler)
         with torch.no_grad():
             for buffer, saved in zip(self.job._buffers, self._saved_buffers):
                 buffer.copy_(saved)
 
     def commit(self) -> bool:
-        """Reduce if not done yet, then apply the optimizer (and scheduler). True if committed."""
+        """Reduce if not done yet, then apply the optimizer (and scheduler). True if committed.
+
+        With ``Job(scaler=...)``: unscale the reduced gradients (unless the loop already called
+        ``scaler.unscale_(job.optimizer)`` to clip them), skip the optimizer step if any is inf
+        or nan, and update the scale; the step still counts as committed (``step.skipped``)."""
         if self.committed:
             return True
         if not self.reduce():
@@ -231,7 +243,12 @@ class Step:
                 self.failed, self.error = True, GenerationFailed(f"step {self.index} not committed: {reason}")
                 self._discard()
                 return False
-        job.optimizer.step()
+        if job.scaler is None:
+            job.optimizer.step()
+            stepped = True
+        else:
+            stepped = mixed_precision.step(job.scaler, job.optimizer, job._device)
+        self.skipped = not stepped
         if job.scheduler is not None:
             job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)

@@ -102,6 +102,8 @@ class WorkerProcesses:
                 # The lease ends one heartbeat interval before the coordinator's deadline, so that a
                 # member cut off from the coordinator stops committing before it is declared dead.
                 "UNBROKEN_LEASE": str(s.heartbeat_timeout - s.heartbeat_interval),
+                # as torchrun: the worker picks cuda:LOCAL_RANK (unbroken.devices.local_device());
+                # CUDA_VISIBLE_DEVICES is passed on as it is, never narrowed per worker
                 "LOCAL_RANK": str(worker.local_rank),
                 "LOCAL_WORLD_SIZE": str(len(self.workers)),
                 "PYTHONUNBUFFERED": "1",
@@ -112,6 +114,7 @@ class WorkerProcesses:
             env["UNBROKEN_CHAOS"] = s.chaos
         if s.record_samples:
             env["UNBROKEN_RECORD_SAMPLES"] = "1"
+        env["UNBROKEN_BACKEND"] = s.backend
         if s.checkpoint_dir:
             env["UNBROKEN_CHECKPOINT_DIR"] = s.checkpoint_dir
             env["UNBROKEN_CHECKPOINT_KEEP"] = str(s.checkpoint_keep)

@@ -19,6 +19,7 @@ RUN_FLAGS = [
     ["--restart-window", "--restart_window"],
     ["--quarantine-cooloff", "--quarantine_cooloff"],
     ["--run-dir", "--run_dir"],
+    ["--backend"],
     ["--coordinator"],
     ["--coordinator-host", "--coordinator_host"],
     ["--coordinator-advertise", "--coordinator_advertise"],

@@ -39,6 +39,9 @@ parser.add_argument("--prefetch", type=int, default=None, help="Job(prefetch=...
 parser.add_argument("--augment", action="store_true", help="a map-style dataset adding noise from the global generator to each sample; the script checks every micro-batch holds the planned samples")
 parser.add_argument("--bad-index", type=int, default=None, help="with --augment: loading this dataset index raises")
 parser.add_argument("--loader-pids", default=None, help="append this process's pid and its loader workers' pids here")
+parser.add_argument("--scaler", action="store_true", help="Job(scaler=GradScaler('cpu')), unscale_ before clipping")
+parser.add_argument("--inf-sample", type=int, default=None, help="this dataset index holds inf: the steps that hold it overflow")
+parser.add_argument("--scaler-log", default=None, help="append every commit's (member, step, skipped, scale) here")
 args = parser.parse_args()
 if args.slow_store:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +54,8 @@ torch.set_default_dtype(torch.float64)
 n = 200
 x = torch.randn(n, 6)
 y = torch.sin(x @ torch.randn(6, 2))
+if args.inf_sample is not None:
+    x[args.inf_sample] = float("inf")  # its loss is nan, and so is every gradient of its step
 dataset = torch.utils.data.TensorDataset(x, y)
 if args.bad_dataset:
 
@@ -94,6 +99,8 @@ job = unbroken.Job(
     scheduler=scheduler,
     num_workers=args.loader_workers,
     prefetch=args.prefetch,
+    # a small scale that grows every 4 good steps, so that 40 steps see growth and back-off
+    scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4) if args.scaler else None,
 )
 first_step = True
 
@@ -143,8 +150,13 @@ for step in job.steps(total=args.steps):
             time.sleep(args.micro_delay)
     if not step.reduce():
         continue
+    if job.scaler is not None:
+        job.scaler.unscale_(job.optimizer)  # clip the true gradients, as under DDP
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
     step.commit()
+    if args.scaler_log and step.committed:
+        with open(args.scaler_log, "a") as f:
+            f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID", "single")}", "step": {step.index}, "skipped": {str(step.skipped).lower()}, "scale": {job.scaler.get_scale()!r}}}\n')
     print(f"step {step.index} loss {step.loss:.6f} members {step.members}", flush=True)
     if args.step_delay:
         time.sleep(args.step_delay)
@@ -163,5 +175,9 @@ if args.after_loop_file and job.is_leader:
 if args.out:
     os.makedirs(args.out, exist_ok=True)
     name = os.environ.get("UNBROKEN_MEMBER_ID", "single")
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out, f"{name}.pt"))
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    if job.scaler is not None:  # compared with the parameters: the scale must match too
+        final["scaler.scale"] = torch.tensor(job.scaler.get_scale())
+        final["scaler.growth_tracker"] = torch.tensor(float(job.scaler.state_dict()["_growth_tracker"]))
+    torch.save(final, os.path.join(args.out, f"{name}.pt"))
 print("done", file=sys.stderr)
