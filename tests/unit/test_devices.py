@@ -1,0 +1,237 @@
+"""Devices and backends: the backend choice and its errors, the worker's device, an NCCL group's
+abort when a wait is abandoned (with a stand-in process group), the CUDA RNG state, GPU
+snapshots and GPU tensors in healing. The tests that need CUDA skip without it."""
+
+import threading
+
+import pytest
+import torch
+
+from unbroken import checkpoint, devices, healing
+from unbroken.cli import main
+from unbroken.errors import ConfigError, GenerationFailed
+from unbroken.group import GenerationGroup, Graveyard, Transport, nccl_environment
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+
+
+# -- backend choice ------------------------------------------------------------------------------
+
+
+def test_auto_picks_gloo_for_a_cpu_model():
+    assert devices.choose_backend("auto", torch.device("cpu")) == "gloo"
+    assert devices.choose_backend("gloo", torch.device("cpu")) == "gloo"
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ConfigError, match="auto, gloo, nccl"):
+        devices.choose_backend("mpi", torch.device("cpu"))
+
+
+@no_gpu
+def test_nccl_without_cuda_is_refused_with_what_to_do_instead():
+    with pytest.raises(ConfigError, match="--backend nccl needs CUDA GPUs and NCCL.*use --backend gloo"):
+        devices.choose_backend("nccl", torch.device("cpu"))
+
+
+@no_gpu
+def test_run_with_backend_nccl_and_no_cuda_exits_2_with_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    def launcher_must_not_start(*args, **kwargs):
+        raise AssertionError("the launcher was started")
+
+    monkeypatch.setattr("unbroken.launcher.Launcher", launcher_must_not_start)
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    assert main(["run", "--backend", "nccl", str(script)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("unbroken: error: --backend nccl needs CUDA")
+
+
+def test_the_backend_flag_reaches_the_launch_settings(tmp_path, monkeypatch):
+    seen = {}
+
+    class FakeLauncher:
+        def __init__(self, settings):
+            seen["settings"] = settings
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["run", "--backend", "gloo", str(script)]) == 0
+    assert seen["settings"].backend == "gloo"
+    assert main(["run", str(script)]) == 0
+    assert seen["settings"].backend == "auto"
+
+
+def test_the_runtime_setting_comes_from_the_environment_and_is_checked(monkeypatch):
+    from unbroken.runtime_settings import RuntimeSettings
+
+    monkeypatch.setenv("UNBROKEN_BACKEND", "gloo")
+    assert RuntimeSettings.from_env().backend == "gloo"
+    assert RuntimeSettings.from_env(backend="nccl").backend == "nccl"  # explicit beats the variable
+    with pytest.raises(ConfigError, match="backend must be"):
+        RuntimeSettings(backend="mpi")
+
+
+# -- the worker's device -------------------------------------------------------------------------
+
+
+def test_a_model_spread_over_two_devices_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ConfigError, match="several devices"):
+        devices.model_device(model)
+
+
+def test_a_cpu_model_is_on_the_cpu_and_the_local_device_is_the_cpu_without_cuda(monkeypatch):
+    assert devices.model_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    assert devices.model_device(torch.nn.Identity()) == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    if not torch.cuda.is_available():
+        assert devices.local_device() == torch.device("cpu")
+    devices.check_assigned(torch.device("cpu"))  # a CPU model is never refused
+
+
+@needs_gpu
+def test_a_model_on_a_gpu_this_worker_was_not_given_is_refused(monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match="was given cuda:0"):
+        devices.check_assigned(torch.device("cuda", 1))
+
+
+# -- an NCCL generation group's abort (stand-in process group) -----------------------------------
+
+
+class _HungWork:
+    """A collective whose peer never comes: its future never completes."""
+
+    def __init__(self):
+        self.future = torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+    def is_completed(self):
+        return self.future.done()
+
+    def wait(self):
+        raise RuntimeError("aborted")
+
+
+class _StandInNccl:
+    def __init__(self):
+        self.aborted = 0
+        self.sent = []
+
+    def allreduce(self, tensors):
+        return _HungWork()
+
+    def abort(self):
+        self.aborted += 1
+
+
+def _group(backend, verdict, timeout=5.0):
+    group = GenerationGroup(3, 0, 2, ["a", "b"], abandoned=verdict, wake=threading.Event(), timeout=timeout,
+                            transport=Transport(backend, "cuda:0"))
+    group.pg = _StandInNccl()
+    return group
+
+
+def test_an_abandoned_wait_aborts_an_nccl_groups_communicator_once():
+    group = _group("nccl", lambda: "member b was declared dead")
+    with pytest.raises(GenerationFailed, match="declared dead"):
+        group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert group.pg.aborted == 1 and group.aborted
+    Graveyard().park(group)  # parking an aborted group does not abort again
+    assert group.pg.aborted == 1
+
+
+def test_a_wait_that_times_out_aborts_the_communicator_within_the_collective_timeout():
+    import time
+
+    group = _group("nccl", lambda: None, timeout=0.3)
+    started = time.monotonic()
+    with pytest.raises(GenerationFailed, match="timed out after 0.3 s"):
+        group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert time.monotonic() - started < 2.0
+    assert group.pg.aborted == 1
+
+
+def test_a_gloo_group_is_never_aborted_its_pending_work_is_left_to_the_graveyard():
+    group = _group("gloo", lambda: "member b was declared dead")
+    with pytest.raises(GenerationFailed):
+        group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert group.pg.aborted == 0 and group.device == torch.device("cpu")
+
+
+def test_an_nccl_group_moves_small_messages_through_its_gpu_and_gloo_through_the_host():
+    assert Transport("nccl", "cuda:1").device == torch.device("cuda", 1)
+    assert Transport("gloo", "cuda:1").device == torch.device("cpu")
+    env = nccl_environment(30.0)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # abort the communicator, keep the process
+    assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "30"
+
+
+# -- RNG, snapshots and healing ------------------------------------------------------------------
+
+
+def test_a_cpu_members_rng_state_has_no_cuda_entry_and_loading_one_with_a_cuda_entry_on_the_cpu_ignores_it():
+    state = healing.rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    expected = torch.rand(3)
+    healing.set_rng_state({**state, "cuda": torch.zeros(8, dtype=torch.uint8)}, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected)
+
+
+@needs_gpu
+def test_the_cuda_rng_state_of_the_models_device_is_taken_and_put_back():
+    device = torch.device("cuda", 0)
+    state = healing.rng_state(device)
+    expected = torch.rand(3, device=device)
+    healing.set_rng_state(state, device)
+    assert torch.equal(torch.rand(3, device=device), expected)
+
+
+def test_a_cpu_snapshot_copies_and_uses_no_pinned_pool():
+    state = {"w": torch.ones(3), "nested": [torch.zeros(2)], "n": 4}
+    pool = checkpoint.PinnedPool()
+    copy = checkpoint.snapshot(state, pool)
+    state["w"].add_(1)
+    assert torch.equal(copy["w"], torch.ones(3)) and copy["n"] == 4
+    assert pool._lent == []
+    checkpoint.copies_done(state)()  # a no-op without CUDA tensors
+
+
+@needs_gpu
+def test_a_gpu_snapshot_lands_in_pinned_buffers_reused_by_the_next_save():
+    state = {"w": torch.randn(1000, device="cuda"), "step": torch.tensor(3)}
+    pool = checkpoint.PinnedPool()
+    copy = checkpoint.snapshot(state, pool)
+    checkpoint.copies_done(state)()
+    assert copy["w"].is_pinned() and torch.equal(copy["w"], state["w"].cpu())
+    pool.give_back()
+    again = checkpoint.snapshot(state, pool)
+    assert again["w"].data_ptr() == copy["w"].data_ptr()
+
+
+@needs_gpu
+def test_gpu_tensors_of_a_healed_state_arrive_on_the_receivers_gpu_and_cpu_tensors_on_the_cpu():
+    from tests.unit.test_healing import _Link
+
+    class GpuLink(_Link):
+        device = torch.device("cpu")
+
+        def send(self, tensor, dst, tag, what):
+            super().send(tensor.cpu(), dst, tag, what)
+
+    state = {"w": torch.randn(600, 1000, device="cuda"), "b": torch.randn(4, device="cuda"), "step": torch.tensor(7)}
+    link = GpuLink()
+    healing.send_state(link, state, 1)
+    back, _ = healing.recv_state(link, 0, gpu=torch.device("cuda", 0))
+    assert back["w"].device.type == "cuda" and back["b"].device.type == "cuda" and back["step"].device.type == "cpu"
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
