@@ -125,10 +125,17 @@ class GenerationGroup:
             for key, value in nccl_environment(self.timeout).items():
                 os.environ.setdefault(key, value)  # read by torch when the group is made
 
+        made: list[Any] = []  # an NCCL group as soon as it exists, to abort if its first collective hangs
+
         def build() -> None:
             try:
                 if self.backend == "nccl":
-                    result.append(_nccl_group(dist.PrefixStore(prefix, store), self.rank, self.size, self.timeout, self.device))
+                    pg = _nccl_group(dist.PrefixStore(prefix, store), self.rank, self.size, self.timeout, self.device)
+                    made.append(pg)
+                    # NCCL makes its communicator at the first collective, which blocks until every
+                    # rank arrives: do it here, watched, rather than in the first real wait.
+                    pg.allreduce([torch.zeros(1, device=self.device)]).wait()
+                    result.append(pg)
                     self._wake.set()
                     return
                 options = dist.ProcessGroupGloo._Options()
@@ -141,7 +148,13 @@ class GenerationGroup:
 
         thread = threading.Thread(target=build, name=f"unbroken-connect-g{self.number}", daemon=True)
         thread.start()
-        self._watch(lambda: bool(result), "connecting the process group")
+        try:
+            self._watch(lambda: bool(result), "connecting the process group")
+        except GenerationFailed:
+            if made:  # a peer never arrived: free the half-made communicator (and the helper thread)
+                self.aborted = True
+                _abort_nccl(made[0], self.device)
+            raise
         if isinstance(result[0], BaseException):
             raise GenerationFailed(f"generation {self.number}: connect failed: {result[0]}")
         self.pg = result[0]

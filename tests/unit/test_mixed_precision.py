@@ -167,3 +167,17 @@ def test_a_cuda_scaler_with_a_cpu_model_is_refused():
     model = _model()
     with pytest.raises(ConfigError, match="the scaler is for 'cuda'"):
         unbroken.Job(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(), global_batch_size=4, scaler=torch.amp.GradScaler("cuda"))
+
+
+def test_the_amp_example_trains_in_one_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "train_amp.py"), "--steps", "12"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[1] < losses[0]

@@ -12,6 +12,7 @@ import time
 import torch
 
 import unbroken
+import unbroken.devices
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
@@ -42,14 +43,24 @@ parser.add_argument("--loader-pids", default=None, help="append this process's p
 parser.add_argument("--scaler", action="store_true", help="Job(scaler=GradScaler('cpu')), unscale_ before clipping")
 parser.add_argument("--inf-sample", type=int, default=None, help="this dataset index holds inf: the steps that hold it overflow")
 parser.add_argument("--scaler-log", default=None, help="append every commit's (member, step, skipped, scale) here")
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: this worker's GPU (cuda:LOCAL_RANK), deterministic algorithms, TF32 off")
+parser.add_argument("--amp", choices=["fp16", "bf16"], default=None, help="a float32 model whose forward runs under autocast; fp16 implies --scaler")
 args = parser.parse_args()
+if args.device == "cuda":
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+device = unbroken.devices.local_device() if args.device == "cuda" else torch.device("cpu")
+if args.amp == "fp16":
+    args.scaler = True
 if args.slow_store:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import slowfs  # noqa: F401  (registers slowfile://)
 
 torch.set_num_threads(1)
 torch.manual_seed(1234)
-torch.set_default_dtype(torch.float64)
+torch.set_default_dtype(torch.float32 if args.amp else torch.float64)
 
 n = 200
 x = torch.randn(n, 6)
@@ -85,7 +96,7 @@ if args.dropout:
     layers.insert(2, torch.nn.Dropout(args.dropout))
 if args.batchnorm:
     layers.insert(1, torch.nn.BatchNorm1d(16))
-model = torch.nn.Sequential(*layers)
+model = torch.nn.Sequential(*layers).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
 
@@ -100,7 +111,7 @@ job = unbroken.Job(
     num_workers=args.loader_workers,
     prefetch=args.prefetch,
     # a small scale that grows every 4 good steps, so that 40 steps see growth and back-off
-    scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4) if args.scaler else None,
+    scaler=torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=4) if args.scaler else None,
 )
 first_step = True
 
@@ -145,7 +156,13 @@ for step in job.steps(total=args.steps):
             mask = (xb[:, :2] > -0.3).to(xb.dtype)
             step.backward(((model(xb) - yb) ** 2 * mask).sum(), count=mask.sum())
             continue
-        step.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        xb, yb = xb.to(device), yb.to(device)
+        if args.amp:
+            with torch.autocast(device.type, dtype=torch.float16 if args.amp == "fp16" else torch.bfloat16):
+                out = model(xb)
+            step.backward(torch.nn.functional.mse_loss(out.float(), yb))
+        else:
+            step.backward(torch.nn.functional.mse_loss(model(xb), yb))
         if args.micro_delay:
             time.sleep(args.micro_delay)
     if not step.reduce():
@@ -154,7 +171,7 @@ for step in job.steps(total=args.steps):
         job.scaler.unscale_(job.optimizer)  # clip the true gradients, as under DDP
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
     step.commit()
-    if args.scaler_log and step.committed:
+    if args.scaler_log and step.committed and job.scaler is not None:
         with open(args.scaler_log, "a") as f:
             f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID", "single")}", "step": {step.index}, "skipped": {str(step.skipped).lower()}, "scale": {job.scaler.get_scale()!r}}}\n')
     print(f"step {step.index} loss {step.loss:.6f} members {step.members}", flush=True)
@@ -175,7 +192,7 @@ if args.after_loop_file and job.is_leader:
 if args.out:
     os.makedirs(args.out, exist_ok=True)
     name = os.environ.get("UNBROKEN_MEMBER_ID", "single")
-    final = {k: v.clone() for k, v in model.state_dict().items()}
+    final = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if job.scaler is not None:  # compared with the parameters: the scale must match too
         final["scaler.scale"] = torch.tensor(job.scaler.get_scale())
         final["scaler.growth_tracker"] = torch.tensor(float(job.scaler.state_dict()["_growth_tracker"]))
