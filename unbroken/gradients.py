@@ -44,18 +44,22 @@ class Bucket:
         self.extra = len(self.params) + (CONTROL_SLOTS if self.control else 0)
 
     def pack(self) -> None:
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+        presence = []
+        for p, off in zip(self.params, self.offsets):
             view = self.flat[off : off + p.numel()]
             if p.grad is None:
                 view.zero_()
-                self.flat[self.numel + i] = 0
+                presence.append(0.0)
             else:
                 view.copy_(p.grad.reshape(-1))
-                self.flat[self.numel + i] = 1
+                presence.append(1.0)
+        # the presence slots in one copy (on a GPU, one transfer instead of one per parameter)
+        self.flat[self.numel : self.numel + len(presence)].copy_(torch.tensor(presence, dtype=self.flat.dtype))
 
     def unpack(self) -> None:
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
-            if self.flat[self.numel + i] == 0:
+        present = self.flat[self.numel : self.numel + len(self.params)].tolist()  # one read (one sync on a GPU)
+        for p, off, here in zip(self.params, self.offsets, present):
+            if here == 0:
                 p.grad = None
                 continue
             view = self.flat[off : off + p.numel()].view_as(p)
