@@ -127,8 +127,15 @@ def _etcd_inside(hosts):
 def _training(tmp_path):
     """Three hosts, each an etcd member (the test's) and a training launcher, once they train;
     everything ends with the hosts."""
-    with _training(tmp_path) as (hosts, cluster, job):
-        yield hosts, cluster, job
+    with netns.hosts(3) as hosts, etcd.cluster(str(tmp_path / "etcd"), hosts=hosts.addresses, popen_for=_etcd_inside(hosts)) as cluster:
+        job = Job(hosts, str(tmp_path))
+        try:
+            for i in range(3):
+                job.start(i)
+            job.wait_training()
+            yield hosts, cluster, job
+        finally:
+            job.stop_all()
 
 
 def _status(address: str) -> tuple[int, dict]:
