@@ -24,7 +24,17 @@ def _scaler_log(path):
         return [json.loads(line) for line in f]
 
 
-def test_every_member_skips_the_same_overflowing_steps_and_a_healed_member_gets_the_peers_scale(tmp_path):
+@pytest.mark.parametrize(
+    "chaos, restarted_as",
+    [
+        ("kill@allreduce,rank=1,step=2", ".w1.r1"),
+        # after the loop's unscale_ and clipping: a survivor that does not commit forgets its
+        # unscale_ and unscales again when it redoes the step
+        ("kill@commit,rank=0,step=2", ".w0.r1"),
+    ],
+    ids=["inside-allreduce", "after-unscale-before-optimizer"],
+)
+def test_every_member_skips_the_same_overflowing_steps_and_a_healed_member_gets_the_peers_scale(tmp_path, chaos, restarted_as):
     single_dir = tmp_path / "single"
     single_dir.mkdir()
     single = harness.single_process(str(single_dir), *SCRIPT_ARGS, "--scaler-log", str(single_dir / "scaler.jsonl"))
@@ -35,7 +45,7 @@ def test_every_member_skips_the_same_overflowing_steps_and_a_healed_member_gets_
     run_dir = str(tmp_path / "run")
     log = str(tmp_path / "scaler.jsonl")
     run = harness.unbroken(
-        run_dir, "--nproc-per-node", "3", "--record-samples", "--chaos", "kill@allreduce,rank=1,step=2",
+        run_dir, "--nproc-per-node", "3", "--record-samples", "--chaos", chaos,
         harness.EXACT, *SCRIPT_ARGS, "--step-delay", "0.4", "--scaler-log", log, "--out", f"{run_dir}/final",
     )
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -49,9 +59,9 @@ def test_every_member_skips_the_same_overflowing_steps_and_a_healed_member_gets_
     entries = _scaler_log(log)
     for e in entries:
         assert (e["skipped"], e["scale"]) == reference[e["step"]], e
-    restarted = [e for e in entries if ".w1.r1" in e["member"]]
+    restarted = [e for e in entries if restarted_as in e["member"]]
     assert restarted and restarted[-1]["step"] == STEPS - 1, "the restarted member did not rejoin before the end"
-    healed = [e for e in run.events("heal") if any(".w1.r1" in r for r in e["receivers"])]
+    healed = [e for e in run.events("heal") if any(restarted_as in r for r in e["receivers"])]
     assert healed and healed[0]["step"] > 2  # it got the scale from a live peer, mid-run
 
     finals = harness.final_params(f"{run_dir}/final")
