@@ -59,10 +59,14 @@ def nccl_environment(timeout: float) -> dict[str, str]:
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly): when torch's own watchdog sees a failed
     or timed-out collective it aborts the communicator but leaves the process alive (1, torch's
     default, would tear the process down, which is what unbroken exists to avoid).
+    ``TORCH_NCCL_USE_COMM_NONBLOCKING=1``: communicators are made in NCCL's non-blocking mode, so
+    that one whose peer never arrives is still in progress (and can be aborted) instead of
+    blocking its thread inside ``ncclCommInitRank`` for good.
     ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: non-blocking NCCL calls (init, abort) give up after the
     collective timeout instead of torch's default 30 minutes, as torchft does."""
     return {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
         "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, int(timeout))),
     }
 

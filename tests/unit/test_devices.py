@@ -175,6 +175,7 @@ def test_an_nccl_group_moves_small_messages_through_its_gpu_and_gloo_through_the
     env = nccl_environment(30.0)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # abort the communicator, keep the process
     assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "30"
+    assert env["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1"  # a communicator whose peer never comes can be aborted
 
 
 # -- RNG, snapshots and healing ------------------------------------------------------------------
