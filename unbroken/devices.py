@@ -7,8 +7,8 @@ workers on fewer GPUs share them round-robin, which only Gloo allows (NCCL refus
 one GPU).
 
 Backends (``--backend``, ``UNBROKEN_BACKEND``): ``gloo`` works with CPU and CUDA tensors;
-``nccl`` needs CUDA tensors and CUDA; ``auto`` (the default) picks NCCL when the model is on a
-GPU and NCCL is available, else Gloo.
+``nccl`` needs CUDA tensors and a GPU per worker; ``auto`` (the default) picks NCCL when the
+model is on a GPU, NCCL is available and every worker of the node has a GPU of its own, else Gloo.
 """
 
 from __future__ import annotations
@@ -71,14 +71,24 @@ def choose_backend(name: str, device: torch.device) -> str:
     """The backend for a model on ``device`` under setting ``name`` (auto, gloo or nccl)."""
     check_backend_name(name)
     if name == "auto":
-        return "nccl" if device.type == "cuda" and nccl_usable() else "gloo"
+        return "nccl" if device.type == "cuda" and nccl_usable() and not gpus_shared() else "gloo"
     if name == "nccl":
         check_backend_available(name)
         if device.type != "cuda":
             raise ConfigError(f"backend nccl needs the model on a CUDA device, but it is on {device}; move it with model.to(unbroken.devices.local_device())")
+        if gpus_shared():
+            raise ConfigError(
+                f"backend nccl needs a GPU per worker, but {os.environ.get('LOCAL_WORLD_SIZE')} workers share"
+                f" {torch.cuda.device_count()} GPU(s) on this node (NCCL refuses two ranks on one GPU); use --backend gloo"
+            )
     elif device.type not in ("cpu", "cuda"):
         raise ConfigError(f"backend gloo handles CPU and CUDA tensors, but the model is on {device}")
     return name
+
+
+def gpus_shared() -> bool:
+    """Whether this node runs more workers (``LOCAL_WORLD_SIZE``) than it has GPUs."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > torch.cuda.device_count()
 
 
 def check_assigned(device: torch.device) -> None:

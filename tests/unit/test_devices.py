@@ -77,6 +77,19 @@ def test_the_runtime_setting_comes_from_the_environment_and_is_checked(monkeypat
         RuntimeSettings(backend="mpi")
 
 
+def test_workers_sharing_a_gpu_get_gloo_from_auto_and_an_error_from_nccl(monkeypatch):
+    monkeypatch.setattr(devices, "nccl_usable", lambda: True)
+    monkeypatch.setattr(devices, "cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert devices.choose_backend("auto", gpu) == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert devices.choose_backend("auto", gpu) == "gloo"
+    with pytest.raises(ConfigError, match="3 workers share 1 GPU.*use --backend gloo"):
+        devices.choose_backend("nccl", gpu)
+
+
 # -- the worker's device -------------------------------------------------------------------------
 
 
