@@ -43,6 +43,7 @@ are :mod:`unbroken.leading`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import uuid
 import logging
@@ -77,6 +78,10 @@ class CoordinatorSettings:
     check_interval: float = 0.1
     """How often heartbeat deadlines are checked (each check costs only the deadlines that came
     due, and the connections that no held poll watches)."""
+    wake_batch: int = 256
+    """Long polls woken per turn of the event loop when a change concerns many (a generation
+    formed or broke): between batches the loop reads new requests, so heartbeats are never held
+    up for the whole formation."""
     connection_sweep: float = 2.0
     """How often every member's heartbeat connection is checked for closing, as a backstop (O(N)):
     the ones between polls are checked every ``check_interval``, and the current generation's
@@ -123,6 +128,9 @@ class Coordinator(CoordinatorApi, Leading):
         self._waiters: dict[str, set[asyncio.Future]] = {}
         """Long polls waiting for a change, by member: a change of one member's view wakes only
         its own; a change of the view shared by all wakes all of them, once."""
+        self._to_wake: collections.deque[asyncio.Future] = collections.deque()
+        """Polls to wake, in batches of ``wake_batch`` per turn of the event loop."""
+        self._waking = False
         self._shared: tuple[Any, ...] | None = None
         """The view shared by every member at the last wake-up (see :meth:`_wake_changed`)."""
         self._members_body: tuple[int, bytes] | None = None
@@ -196,7 +204,9 @@ class Coordinator(CoordinatorApi, Leading):
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         # reuse_address: a coordinator restarted in place binds its port at once, not after TIME_WAIT
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)
+        # backlog: thousands of members connect at once when a job starts (aiohttp's default is 128;
+        # the kernel caps it at net.core.somaxconn)
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True, backlog=4096)
         try:
             await site.start()
         except OSError as exc:
@@ -309,17 +319,34 @@ class Coordinator(CoordinatorApi, Leading):
             return
         while changed:
             waiters = self._waiters.pop(changed.pop(), None)
-            for waiter in waiters or ():
-                if not waiter.done():
-                    waiter.set_result(None)
+            if waiters:
+                self._to_wake.extend(waiters)
+        self._schedule_wakes()
 
     def _wake_all(self) -> None:
         """Wake every long poll, so that each recomputes its answer."""
         waiters, self._waiters = self._waiters, {}
         for group in waiters.values():
-            for waiter in group:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._to_wake.extend(group)
+        self._schedule_wakes()
+
+    def _schedule_wakes(self) -> None:
+        if self._to_wake and not self._waking:
+            self._waking = True
+            asyncio.get_running_loop().call_soon(self._wake_some)
+
+    def _wake_some(self) -> None:
+        """Wake up to ``wake_batch`` polls, then let the loop read new requests before the next
+        batch: thousands of polls answered at once would otherwise hold the loop for as long as all
+        their handlers take, and a heartbeat that arrives meanwhile would wait for all of them."""
+        for _ in range(min(self.settings.wake_batch, len(self._to_wake))):
+            waiter = self._to_wake.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+        if self._to_wake:
+            asyncio.get_running_loop().call_soon(self._wake_some)
+        else:
+            self._waking = False
 
     async def _wait_change(self, timeout: float, member_id: str = "") -> None:
         """Wait until a change concerns ``member_id`` (see :meth:`_wake_changed`), or ``timeout``."""

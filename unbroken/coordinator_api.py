@@ -89,7 +89,20 @@ class CoordinatorApi:
         after = int(body.get("after", 0))
         self.state.min_generation = max(self.state.min_generation, after)
         warm = bool(body.get("warm", True))
-        if self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
+        current = self.state.current
+        known = self.state.members.get(member_id)
+        # Active in a generation newer than any it has heard of: its previous join's answer
+        # ("wait") crossed the formation. It has not left that generation; answer it, instead of
+        # taking it for a member that left, which would make every member re-form again (at
+        # thousands of members, each formation would be spoilt by the next late one).
+        unheard = (
+            current is not None
+            and current.number > after
+            and member_id in current.ranks
+            and known is not None
+            and known.state is MemberState.ACTIVE
+        )
+        if not unheard and self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
             self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
             self._bump()
         lean = bool(body.get("lean"))

@@ -144,6 +144,10 @@ def test_a_lean_join_reply_names_no_members_and_the_members_are_fetched_by_gener
 def test_a_change_of_one_members_state_wakes_only_that_members_poll():
     coordinator = _coordinator(expected_members=3)
 
+    async def turns():
+        for _ in range(3):  # the wake-up itself, then the woken waiter
+            await asyncio.sleep(0)
+
     async def run():
         coordinator.state.join("a", "n", None, 0, time.monotonic())
         coordinator._bump()
@@ -153,11 +157,11 @@ def test_a_change_of_one_members_state_wakes_only_that_members_poll():
         coordinator.state.mark_dead("c", "exited", time.monotonic())  # c is not in any generation
         coordinator.state.join("c", "n", None, 0, time.monotonic())
         coordinator._bump()
-        await asyncio.sleep(0)
+        await turns()
         woken = (waiting_a.done(), waiting_c.done())
         coordinator.state.join("b", "n", None, 0, time.monotonic())  # the third: a generation forms
         coordinator._bump()
-        await asyncio.sleep(0)
+        await turns()
         return woken, waiting_a.done()
 
     woken, a_after_formation = asyncio.run(run())
@@ -190,3 +194,38 @@ def test_a_roster_fetches_single_ids_then_the_whole_list_once_and_names_unknown_
     assert sum("rank=" not in r for r in client.requests) == 1
     gone = Roster(Client(None), 4, 3, "m1", 1)
     assert list(gone) == ["rank0", "m1", "rank2"] and gone[0] == "rank0"
+
+
+def test_a_change_that_concerns_every_poll_wakes_them_in_batches_between_which_the_loop_turns():
+    from unbroken.coordinator import Coordinator, CoordinatorSettings
+
+    coordinator = Coordinator(CoordinatorSettings(hold=0.5, wake_batch=10), MembershipSettings(expected_members=2))
+
+    async def run():
+        polls = [asyncio.ensure_future(coordinator._wait_change(5.0, f"m{i}")) for i in range(35)]
+        await asyncio.sleep(0)
+        coordinator._wake_all()
+        done_per_turn = []
+        for _ in range(6):
+            await asyncio.sleep(0)
+            done_per_turn.append(sum(p.done() for p in polls))
+        return done_per_turn
+
+    done = asyncio.run(run())
+    assert done[0] <= 10 and done[-1] == 35
+    assert len(set(done)) >= 4  # several turns of the loop, not one
+
+
+def test_a_join_that_crossed_the_formation_of_its_generation_is_answered_with_it_and_changes_nothing():
+    coordinator = _coordinator(expected_members=2)
+    state = coordinator.state
+    state.join("a", "n", None, 0, now=time.monotonic())
+    state.join("b", "n", None, 0, now=time.monotonic())
+    generation, _ = state.maybe_form(time.monotonic())
+
+    async def run():
+        return json.loads((await coordinator._join(_Request({"member": "b", "after": 0, "lean": True}))).text)
+
+    reply = asyncio.run(run())
+    assert (reply["status"], reply["generation"], reply["rank"]) == ("formed", generation.number, 1)
+    assert state.members["b"].state is MemberState.ACTIVE and not state.reconfigure_wanted()
