@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from unbroken.metrics import CoordinatorMetrics
     from unbroken.telemetry import EventLog
 
+CONNECTION_CLOSED = "its heartbeat connection closed (its process or host is gone)"
+"""The reason of a verdict on a closed heartbeat connection (replaced by the launcher's, if it
+reports the exit)."""
+
 log = logging.getLogger("unbroken.coordinator")  # moved out of the coordinator; its messages keep their logger
 
 
@@ -207,7 +211,7 @@ class CoordinatorApi:
         member = self.state.members.get(member_id)
         if self._stopped.is_set() or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
             return
-        reason = "its heartbeat connection closed (its process or host is gone)"
+        reason = CONNECTION_CLOSED
         if self.state.mark_dead(member_id, reason, time.monotonic()):
             log.warning("member %s declared dead: %s", member_id, reason)
             self.events.emit("verdict", member=member_id, detected_by="connection", reason=reason)
@@ -231,10 +235,16 @@ class CoordinatorApi:
         body = await self._json(request)
         member_id = body["member"]
         reason = str(body.get("reason", "exited"))
+        member = self.state.members.get(member_id)
         if self.state.mark_dead(member_id, reason, time.monotonic()):
             log.warning("member %s exited: %s", member_id, reason)
             self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason)
             self.metrics.failure("launcher")
+        elif member is not None and member.death_reason == CONNECTION_CLOSED:
+            # already declared dead as its connection closed (milliseconds earlier): the launcher
+            # says how it ended, which the status, the console and the report show instead
+            member.death_reason = reason
+            self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason, explains="connection")
         self._bump()
         return self._reply({"ok": True})
 

@@ -126,7 +126,10 @@ def test_the_members_metric_is_3_then_2_after_the_kill_then_3_again(observed):
     assert two is not None, f"never saw 2 members after the kill: {after[:20]}"
     assert any(s[1] == 3 and s[2] > after[two][2] for s in after[two:]), "never saw the restarted worker back"
     last = observed["scrapes"][-1][1]
-    assert last['unbroken_failures_total{detected_by="launcher"}'] == 1
+    # one failure, counted by what saw it first: its launcher, or its closed heartbeat connection
+    # (a survivor's failed collective may be counted too)
+    verdicts = [last.get(f'unbroken_failures_total{{detected_by="{by}"}}', 0) for by in ("launcher", "connection")]
+    assert sum(verdicts) == 1, last
     assert last["unbroken_stall_seconds_count"] >= 1
     assert last["unbroken_committed_step"] >= KILL_STEP
 

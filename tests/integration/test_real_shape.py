@@ -140,12 +140,13 @@ def test_fifty_failures_leave_file_descriptors_and_threads_bounded(tmp_path):
     assert after_last["threads"] - after_first["threads"] <= 8, (after_first, after_last)
 
 
-def test_members_draw_different_random_numbers_after_being_healed(tmp_path):
+def test_members_draw_different_random_numbers_though_they_start_alike(tmp_path):
     run_dir = str(tmp_path / "run")
     draws = str(tmp_path / "draws.jsonl")
     run = harness.unbroken(run_dir, "--nproc-per-node", "3", harness.EXACT, "--steps", "4", "--rng-log", draws)
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.events("heal")  # members 1 and 2 received member 0's state, RNG included
+    # they built the same model from the same seed, so nothing was healed; every member is reseeded anyway
+    assert not run.events("heal")
     by_step = {}
     with open(draws) as f:
         for line in f:
