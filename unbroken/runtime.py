@@ -125,23 +125,9 @@ class Job:
         )
         self.settings = settings or RuntimeSettings.from_env()
         self.distributed = self.settings.coordinator is not None
-        self._device = devices.model_device(model)
-        self.backend = devices.choose_backend(self.settings.backend, self._device) if self.distributed else "none"
-        if self.distributed:
-            devices.check_assigned(self._device)
-            from unbroken.group import set_transport
-
-            set_transport(self.backend, self._device)
+        self._choose_backend(model)
         self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.next_step = 0
-        self.lineage: list[int] = []
-        self._digest = 0  # healing.lineage_digest(self.lineage), kept up to date
-        self.fresh = True
-        self.generation = 0
-        self.member_index = 0
-        self.member_count = 1
-        self.replica_hash: str | None = None
-        self.total: int | None = None
+        self._init_progress()
         self._joiner = Joiner(self)
         self._ticks = 0  # progress: micro-batches, backwards, collectives entered (see _progress)
         self._generation_floor = 0  # the generation of a checkpoint resumed from
@@ -159,6 +145,28 @@ class Job:
         self._grad_events = 0  # gradient accumulations seen by a single process's hooks
         self._buffers = [b for b in model.buffers() if b.numel()]
         self._watch_gradients(model)
+
+    def _init_progress(self) -> None:
+        """Where this member stands: no step committed, no generation joined, no live state."""
+        self.next_step = 0
+        self.lineage: list[int] = []
+        self._digest = 0  # healing.lineage_digest(self.lineage), kept up to date
+        self.fresh = True
+        self.generation = 0
+        self.member_index = 0
+        self.member_count = 1
+        self.replica_hash: str | None = None
+        self.total: int | None = None
+
+    def _choose_backend(self, model: torch.nn.Module) -> None:
+        """The model's device and, in a distributed job, the backend its groups use."""
+        self._device = devices.model_device(model)
+        self.backend = devices.choose_backend(self.settings.backend, self._device) if self.distributed else "none"
+        if self.distributed:
+            devices.check_assigned(self._device)
+            from unbroken.group import set_transport
+
+            set_transport(self.backend, self._device)
 
     def _watch_gradients(self, model: torch.nn.Module) -> None:
         """Distributed: a reducer that allreduces gradients as they become final. Alone: a hook
