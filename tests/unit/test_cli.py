@@ -174,22 +174,6 @@ def test_a_non_numeric_timeout_is_an_argparse_error(capsys):
     assert "--heartbeat-timeout" in capsys.readouterr().err
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The settings `unbroken run` would launch with (the launcher itself is not started)."""
-    seen = {}
-
-    class FakeLauncher:
-        def __init__(self, settings):
-            seen["settings"] = settings
-
-        def run(self):
-            return 0
-
-    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
-    return seen
-
-
 def test_valid_run_flags_become_the_launch_settings(launched, script):
     seen = launched
     code = main(

@@ -48,17 +48,8 @@ def test_run_with_backend_nccl_and_no_cuda_exits_2_with_one_line_before_anything
     assert len(err) == 1 and err[0].startswith("unbroken: error: --backend nccl needs CUDA")
 
 
-def test_the_backend_flag_reaches_the_launch_settings(tmp_path, monkeypatch):
-    seen = {}
-
-    class FakeLauncher:
-        def __init__(self, settings):
-            seen["settings"] = settings
-
-        def run(self):
-            return 0
-
-    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+def test_the_backend_flag_reaches_the_launch_settings(tmp_path, launched):
+    seen = launched
     script = tmp_path / "train.py"
     script.write_text("")
     assert main(["run", "--backend", "gloo", str(script)]) == 0
