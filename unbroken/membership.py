@@ -32,168 +32,27 @@ Member lifecycle::
 
 from __future__ import annotations
 
-import enum
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
-_LIVE = frozenset(("waiting", "active"))
+from unbroken.liveness import Liveness
+from unbroken.member_records import (  # noqa: F401  (re-exported: the records and the rule live there)
+    _LIVE,
+    Decision,
+    Generation,
+    GenerationState,
+    Member,
+    MembershipSettings,
+    MemberState,
+    decide,
+)
 
-
-class MemberState(enum.Enum):
-    WAITING = "waiting"
-    ACTIVE = "active"
-    DEAD = "dead"
-    LEFT = "left"
-
-
-class GenerationState(enum.Enum):
-    ACTIVE = "active"
-    BROKEN = "broken"
-
-
-@dataclass
-class Member:
-    id: str
-    node: str
-    joined_at: float
-    last_heartbeat: float
-    state: MemberState = MemberState.WAITING
-    step: int = 0
-    pid: int | None = None
-    waiting_since: float | None = None
-    blocked_on: str | None = None
-    """The collective the member last reported waiting in (None: not waiting in one)."""
-    blocked_since: float | None = None
-    """Since when (coordinator clock) it has waited in that same collective."""
-    fenced: bool = False
-    """Declared dead for making no progress: it must end itself so that its launcher restarts it."""
-    progress: int | None = None
-    """The member's progress counter (micro-batches, gradient hooks, collectives entered, state
-    sent), as last reported; it only ever moves while the member works."""
-    progress_at: float = 0.0
-    """When (coordinator clock) the counter last moved, or the member last became active."""
-    busy: str | None = None
-    """Work the member reported doing on purpose that makes no step progress (a final checkpoint
-    write, reading a checkpoint): never taken for stuck while it lasts."""
-    warm: bool = True
-    """False until the member has committed a step in its process: its first step may include
-    compilation and lazy imports, judged against ``warmup_timeout`` instead."""
-    death_reason: str | None = None
-    ended_at: float | None = None
-    """When (coordinator clock) it died or left: it is forgotten ``forget_after`` seconds later."""
-
-
-@dataclass(frozen=True)
-class Generation:
-    number: int
-    members: tuple[str, ...]
-    formed_at: float
-
-    @cached_property
-    def ranks(self) -> dict[str, int]:
-        """Member id -> rank, built once: membership tests and ranks in O(1), not O(N)."""
-        return {member: rank for rank, member in enumerate(self.members)}
-
-    @property
-    def prefix(self) -> str:
-        """Store prefix under which this generation's process group rendezvous."""
-        return f"unbroken/gen{self.number}/"
-
-
-@dataclass(frozen=True)
-class MembershipSettings:
-    """Rules for forming generations."""
-
-    heartbeat_timeout: float = 3.0
-    """Seconds without a heartbeat after which a member is declared dead."""
-    expected_members: int = 1
-    """Members the first generation waits for (the launcher passes nodes x processes)."""
-    start_grace: float = 30.0
-    """Seconds the first generation waits for ``expected_members`` before starting with fewer."""
-    min_members: int = 1
-    """No generation is formed with fewer members than this."""
-    max_members: int | None = None
-    """A generation takes at most this many members; the others wait as spares."""
-    quorum_timeout: float = 300.0
-    """Seconds live members may stay below ``min_members`` (after the first generation, or after
-    ``start_grace`` before it) before the job is failed."""
-    progress_timeout: float = 20.0
-    """A member whose progress (micro-batches, gradient hooks, collectives entered) has not moved
-    for this long, while a peer waits for it inside a collective or after its generation broke,
-    is declared dead. A long step that keeps moving is never stuck, however long it lasts."""
-    warmup_timeout: float = 600.0
-    """The same limit for a member that has not yet committed a step in its process (its first
-    step compiles, imports and allocates)."""
-    forget_after: float = 600.0
-    """Seconds after which a member that died or left (and is in no current generation) is
-    forgotten: the coordinator's memory stays bounded however often members restart. A member
-    heard of again after that is simply new."""
-    history_limit: int = 64
-    """How many of the newest generations :attr:`Membership.history` keeps."""
-
-    def __post_init__(self) -> None:
-        if not self.heartbeat_timeout > 0:
-            raise ValueError("heartbeat_timeout must be positive")
-        if self.min_members < 1:
-            raise ValueError(f"min_members must be at least 1, got {self.min_members}")
-        if self.max_members is not None and self.max_members < self.min_members:
-            raise ValueError(f"max_members ({self.max_members}) is below min_members ({self.min_members})")
-        if self.progress_timeout <= 0 or self.quorum_timeout <= 0:
-            raise ValueError("progress_timeout and quorum_timeout must be positive")
-        if self.forget_after <= 0 or self.history_limit < 1:
-            raise ValueError("forget_after must be positive and history_limit at least 1")
-        if self.warmup_timeout < self.progress_timeout:
-            raise ValueError(f"warmup_timeout ({self.warmup_timeout}) must be at least progress_timeout ({self.progress_timeout})")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Whether to form a generation now, with whom, and why (for the log)."""
-
-    form: bool
-    members: tuple[str, ...] = ()
-    reason: str = ""
-
-
-def decide(
-    members: dict[str, Member],
-    current: Generation | None,
-    settings: MembershipSettings,
-    first_wait: float | None,
-    now: float,
-) -> Decision:
-    """Decide whether a new generation should be formed now. Pure."""
-    live = [m for m in members.values() if m.state in (MemberState.WAITING, MemberState.ACTIVE)]
-    waiting = [m for m in live if m.state is MemberState.WAITING]
-    if not waiting:
-        return Decision(False, reason="nobody waits to join")
-    busy = [m.id for m in live if m.state is MemberState.ACTIVE]
-    if busy:
-        return Decision(False, reason=f"waiting for {len(busy)} active member(s) to reach a step boundary")
-    if current is None and len(waiting) < settings.expected_members:
-        if first_wait is None or now - first_wait < settings.start_grace:
-            return Decision(
-                False,
-                reason=f"first generation: {len(waiting)} of {settings.expected_members} expected members",
-            )
-    if len(waiting) < settings.min_members:
-        return Decision(False, reason=f"{len(waiting)} member(s) waiting, minimum is {settings.min_members}")
-    previous = current.members if current is not None else ()
-    before = current.ranks if current is not None else {}
-    waiting_ids = {m.id for m in waiting}
-    order = [m for m in previous if m in waiting_ids]
-    newcomers = sorted((m for m in waiting if m.id not in before), key=lambda m: (m.joined_at, m.id))
-    order += [m.id for m in newcomers]
-    if settings.max_members is not None:
-        order = order[: settings.max_members]
-    return Decision(True, tuple(order), reason=f"{len(order)} member(s) ready")
 
 
 @dataclass
-class Membership:
+class Membership(Liveness):
     """The coordinator's state. Every mutating method returns True when the state changed.
 
     Member states change only through this class (:meth:`_enter`), which keeps the counts per
@@ -405,125 +264,6 @@ class Membership:
         if self.generation_state is not GenerationState.BROKEN:
             self.generation_state = GenerationState.BROKEN
             self.broken_at = now
-            self.version += 1
-
-    def expire(self, now: float) -> list[str]:
-        """Declare dead every live member that is silent or makes no progress; check the quorum;
-        forget members gone for longer than ``forget_after``.
-
-        Silent: no heartbeat for ``heartbeat_timeout``. No progress: its progress counter has not
-        moved for ``progress_timeout`` (``warmup_timeout`` before its first commit) while a peer of
-        the current generation waited for it inside a collective (and it was not in one itself),
-        or since its generation broke and it has still not come to join.
-
-        Cost: O(log N) per deadline that came due, not O(N) per call.
-        """
-        dead = []
-        timeout = self.settings.heartbeat_timeout
-        heap = self._deadlines
-        while heap and heap[0][0] < now:
-            deadline, member_id = heapq.heappop(heap)
-            if self._armed.get(member_id) != deadline:
-                continue  # a stale entry: the member's valid one is elsewhere in the heap
-            member = self.members.get(member_id)
-            if member is None or member.state.value not in _LIVE:
-                del self._armed[member_id]
-                continue
-            silent = now - member.last_heartbeat
-            if silent > timeout:
-                del self._armed[member_id]
-                self.mark_dead(member.id, f"no heartbeat for {silent:.1f} s", now)
-                dead.append(member.id)
-            else:
-                self._arm(member, floor=now)  # it heartbeat since: due a timeout after its newest one
-        dead += self._expire_stragglers(now)
-        self._check_quorum(now)
-        self._forget(now)
-        return dead
-
-    def _forget(self, now: float) -> None:
-        """Forget members that died or left more than ``forget_after`` ago (oldest first), unless
-        the current generation names them."""
-        ended = self._ended
-        horizon = now - self.settings.forget_after
-        while ended and ended[0][0] < horizon:
-            at, member_id = ended.popleft()
-            member = self.members.get(member_id)
-            if member is None or member.state.value in _LIVE or member.ended_at != at:
-                continue  # it came back (or was forgotten) since
-            if self.current is not None and member_id in self.current.ranks:
-                member.ended_at = now  # still named by the generation: look again later
-                ended.append((now, member_id))
-                continue
-            del self.members[member_id]
-            self._counts[member.state] -= 1
-            self._armed.pop(member_id, None)
-            self.changed_members.discard(member_id)
-
-    def _stuck_for(self, member: Member, since: float, now: float) -> float | None:
-        """Seconds that ``member`` has made no progress since ``since``, if that is beyond its
-        limit; None if it is within its limit or busy on purpose."""
-        if member.busy:
-            return None
-        limit = self.settings.progress_timeout if member.warm else self.settings.warmup_timeout
-        idle = now - max(member.progress_at, since)
-        return idle if idle > limit else None
-
-    def _expire_stragglers(self, now: float) -> list[str]:
-        """Fence the active members of the current generation that make no progress while others
-        wait for them: inside a collective, to join the next generation, or after it broke.
-
-        Progress, not silence, decides: a member whose counter moved within its limit is busy in
-        a long step, never stuck, whatever the state of its generation.
-
-        O(1) (amortized) unless someone has waited longer than ``progress_timeout``: nobody can be
-        stuck for longer than the wait that makes them a straggler."""
-        if self.current is None:
-            return []
-        limit = self.settings.progress_timeout
-        if self.generation_state is GenerationState.BROKEN:
-            since = self.broken_at if self.broken_at is not None else now
-            if now - since <= limit:
-                return []
-            candidates = [self.members[m] for m in self.current.members if self.members[m].state is MemberState.ACTIVE]
-            why = "made no progress for {idle:.1f} s after its generation broke"
-        else:
-            # Members that left this generation to join the next wait for the rest just the same.
-            longest = self._longest_wait_since()
-            if longest is None or now - longest <= limit or now - self.current.formed_at <= limit:
-                return []
-            since = self.current.formed_at
-            candidates = [
-                m
-                for m in (self.members[i] for i in self.current.members)
-                if m.state is MemberState.ACTIVE and m.blocked_since is None
-            ]
-            why = "made no progress for {idle:.1f} s while a peer waited for it"
-        dead = []
-        for member in candidates:
-            idle = self._stuck_for(member, since, now)
-            if idle is None:
-                continue
-            self.mark_dead(member.id, why.format(idle=idle), now)
-            member.fenced = True
-            dead.append(member.id)
-        return dead
-
-    def _check_quorum(self, now: float) -> None:
-        if self.finished or self.failed or self.first_wait is None:
-            return
-        live = self.live_count()
-        if live >= self.settings.min_members:
-            self.below_quorum_since = None
-            return
-        if self.below_quorum_since is None:
-            # Before the first generation the members get start_grace to arrive first.
-            self.below_quorum_since = now if self.current is not None else self.first_wait + self.settings.start_grace
-        if now - self.below_quorum_since > self.settings.quorum_timeout:
-            self.failed = (
-                f"only {live} live member(s), below the minimum of {self.settings.min_members},"
-                f" for more than quorum_timeout={self.settings.quorum_timeout:.0f} s"
-            )
             self.version += 1
 
     def _cannot_form(self, now: float) -> Decision | None:
