@@ -58,19 +58,24 @@ class CoordinatorClient:
         self._local = threading.local()
         self._learned = threading.Lock()
 
-    def learn(self, addresses: list[str], leader: str | None = None) -> None:
-        """Add candidates this client did not know; go to ``leader`` next if one is named."""
+    def learn(self, addresses: list[str], leader: str | None = None) -> tuple[str, int] | None:
+        """Add candidates this client did not know; go to ``leader`` next if one is named.
+        Returns the leader's address, or None if none (or no valid one) was named."""
         with self._learned:
+            known = None
             for text in addresses + ([leader] if leader else []):
                 try:
-                    address = parse_address(text)
+                    known = parse_address(text)
                 except ValueError:
+                    known = None
                     continue
-                if address not in self.addresses:
-                    self.addresses = self.addresses + [address]
-            if leader:
-                self._current = self.addresses.index(parse_address(leader))
-                self.host, self.port = self.addresses[self._current]
+                if known not in self.addresses:
+                    self.addresses = self.addresses + [known]
+            if not leader or known is None:
+                return None
+            self._current = self.addresses.index(known)
+            self.host, self.port = known
+            return known
 
     def _connection(self, read_timeout: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -98,13 +103,9 @@ class CoordinatorClient:
             hint = {}
         if not isinstance(hint, dict):
             hint = {}
-        leader = hint.get("leader") if isinstance(hint.get("leader"), str) else None
-        try:
-            parse_address(leader or "")
-        except ValueError:
-            leader = None
-        self.learn([a for a in hint.get("coordinators") or [] if isinstance(a, str)], leader)
-        if leader is None or parse_address(leader) == target:
+        named = hint.get("leader") if isinstance(hint.get("leader"), str) else None
+        leader = self.learn([a for a in hint.get("coordinators") or [] if isinstance(a, str)], named)
+        if leader is None or leader == target:
             self._next_candidate(target)
 
     def _drop(self) -> None:

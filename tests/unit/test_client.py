@@ -75,3 +75,15 @@ def test_a_heartbeat_reply_older_than_the_lease_is_dropped_not_taken_as_the_view
         assert views and views[0]["generation"] == 1
     finally:
         beat.stop()
+
+
+def test_a_503_sends_the_client_to_the_leader_it_names_and_teaches_it_every_candidate():
+    from unbroken.client import CoordinatorClient
+
+    client = CoordinatorClient("a:1")
+    client._follow(b'{"leader": "b:2", "coordinators": ["b:2", "c:3"]}', ("a", 1))
+    assert client.addresses == [("a", 1), ("b", 2), ("c", 3)] and (client.host, client.port) == ("b", 2)
+    client._follow(b'{"leader": null, "coordinators": ["not an address"]}', ("b", 2))  # no leader known: the next one
+    assert (client.host, client.port) == ("c", 3) and len(client.addresses) == 3
+    client._follow(b"not json", ("c", 3))
+    assert (client.host, client.port) == ("a", 1)
