@@ -78,6 +78,9 @@ class CoordinatorSettings:
     check_interval: float = 0.1
     """How often heartbeat deadlines are checked (each check costs only the deadlines that came
     due, and the connections that no held poll watches)."""
+    stall_excuse: float = 0.5
+    """A deadline check that comes this many seconds late means the coordinator itself did not
+    run: its verdicts for silence and lack of progress then wait as long again as it stalled."""
     wake_batch: int = 256
     """Long polls woken per turn of the event loop when a change concerns many (a generation
     formed or broke): between batches the loop reads new requests, so heartbeats are never held
@@ -390,16 +393,31 @@ class Coordinator(CoordinatorApi, Leading):
                 del self._waiters[member_id]
 
     async def _watch_deadlines(self) -> None:
-        swept = time.monotonic()
+        swept = previous = time.monotonic()
+        excused_until = 0.0
         while True:
             await asyncio.sleep(self.settings.check_interval)
             now = time.monotonic()
+            stalled = now - previous - self.settings.check_interval
+            previous = now
+            if stalled > self.settings.stall_excuse and now - excused_until > self.state.settings.heartbeat_timeout:
+                # This process did not run (a long collection, a paused VM, a loaded host): its
+                # members' heartbeats and progress wait unread in its sockets. Their silence is
+                # the coordinator's, not theirs: no verdict for silence or for lack of progress
+                # until as long again has passed. Closed connections and launchers' reports
+                # still count at once. One excuse per heartbeat timeout at most, so that a
+                # coordinator late on every check (overloaded) still declares the dead.
+                excused_until = now + stalled
+                log.warning("the coordinator did not run for %.2f s: verdicts for silence wait %.2f s", stalled, stalled)
+                self.events.emit("coordinator_stall", seconds=round(stalled, 3))
             if now - swept >= self.settings.connection_sweep:
                 swept = now
                 self._check_connections()
             else:
                 self._check_connections(list(self._idle_connections))
             now = time.monotonic()
+            if now < excused_until:
+                continue
             failed_before = self.state.failed
             dead = self.state.expire(now)
             for member_id in dead:

@@ -138,13 +138,21 @@ class Joiner:
         view = self.heartbeat.view if self.heartbeat else {}
         return bool(view.get("reconfigure")) and view.get("generation") == self.job.generation
 
+    def _silence(self) -> float:
+        """Seconds since the sending of the newest request that the coordinator answered."""
+        return time.monotonic() - self.client.last_ok if self.client else 0.0
+
     def abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
-        """Why generation ``number`` no longer holds for this member, or None if it does."""
+        """Why generation ``number`` no longer holds for this member, or None if it does.
+
+        A lease that ran out forbids a commit (``for_commit``) but ends the generation only
+        ``coordinator_grace`` later: a stalled coordinator has declared nobody dead meanwhile,
+        and a member that was declared dead hears so as soon as the coordinator answers."""
         view = self.heartbeat.view if self.heartbeat else {}
-        lease = self.job.settings.lease
-        silent = time.monotonic() - self.client.last_ok if self.client else 0.0
-        if silent > lease:
-            return f"no reply from the coordinator for {silent:.1f} s (lease {lease:.1f} s)"
+        settings = self.job.settings
+        silent = self._silence()
+        if silent > settings.lease + settings.coordinator_grace or (for_commit and silent > settings.lease):
+            return f"no reply from the coordinator for {silent:.1f} s (lease {settings.lease:.1f} s)"
         if view.get("state") == "dead":
             return "the coordinator declared this member dead"
         # A restarted coordinator (or a new leader) has another incarnation and does not know
@@ -159,6 +167,29 @@ class Joiner:
         if current == number and view.get("broken") and not for_commit:
             return "a member of this generation failed"
         return None
+
+    def commit_reason(self, number: int) -> str | None:
+        """Why this member must not commit its step in generation ``number``, or None.
+
+        While its lease has run out but not its grace, the member holds the step and waits for
+        the coordinator to answer a newer request: a coordinator that stalled for a second or two
+        costs a pause here, not a re-formation of the whole job."""
+        settings = self.job.settings
+        held = None
+        while True:
+            silent = self._silence()
+            if silent <= settings.lease or silent > settings.lease + settings.coordinator_grace:
+                break
+            if self.abandon_reason(number) is not None:
+                break
+            if held is None:
+                held = time.monotonic()
+                log.warning("%s: no reply from the coordinator for %.1f s: holding step %d until it answers",
+                            self.job.member_id, silent, self.job.next_step)
+            time.sleep(0.01)
+        if held is not None and self._silence() <= settings.lease:
+            log.warning("%s: the coordinator answered again after %.2f s; committing", self.job.member_id, time.monotonic() - held)
+        return self.abandon_reason(number, for_commit=True)
 
     # -- joining -------------------------------------------------------------------------------
 

@@ -33,9 +33,15 @@ class RuntimeSettings:
     """Longest wait for one collective or connect (``UNBROKEN_COLLECTIVE_TIMEOUT``); a verdict
     from the coordinator usually ends a failed wait long before."""
     lease: float = 2.5
-    """Seconds without a reply from the coordinator after which this member stops committing and
-    abandons its generation (``UNBROKEN_LEASE``); keep it at most the coordinator's heartbeat
-    timeout, so that a member cut off by a partition stops before the others go on without it."""
+    """Seconds without a reply from the coordinator after which this member stops committing
+    (``UNBROKEN_LEASE``); keep it at most the coordinator's heartbeat timeout, so that a member cut
+    off by a partition stops before the others go on without it."""
+    coordinator_grace: float = 10.0
+    """Seconds past its lease that a member holds a finished step uncommitted, waiting for the
+    coordinator to answer again, before it abandons its generation and rejoins
+    (``UNBROKEN_COORDINATOR_GRACE``). A coordinator that stalls (a long garbage collection, a
+    paused VM) then costs its members a pause, not a re-formation; a commit still needs a reply
+    to a request sent within the lease."""
     coordinator_timeout: float = 60.0
     """How long an unreachable coordinator is retried before giving up (``UNBROKEN_COORDINATOR_TIMEOUT``)."""
     join_timeout: float = 600.0
@@ -61,6 +67,8 @@ class RuntimeSettings:
             raise ConfigError(f"need heartbeat_interval ({self.heartbeat_interval}) < lease ({self.lease})")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.coordinator_grace < 0:
+            raise ConfigError(f"coordinator_grace must be at least 0, got {self.coordinator_grace}")
         for name in ("coordinator_timeout", "join_timeout", "bucket_cap_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

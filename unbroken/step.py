@@ -238,7 +238,7 @@ class Step:
                 self.failed, self.error = True, exc.with_traceback(None)
                 self._discard()
                 return False
-            reason = job._abandon_reason(self.generation, for_commit=True)
+            reason = job._joiner.commit_reason(self.generation)
             if reason:
                 self.failed, self.error = True, GenerationFailed(f"step {self.index} not committed: {reason}")
                 self._discard()

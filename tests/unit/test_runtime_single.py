@@ -346,7 +346,7 @@ def test_a_malformed_numeric_variable_is_a_config_error_naming_the_variable(monk
         RuntimeSettings.from_env()
 
 
-def test_a_member_without_word_from_the_coordinator_past_its_lease_abandons_its_generation():
+def _job_with_a_fake_client(**settings):
     import time as _time
 
     from unbroken.runtime import Job, RuntimeSettings
@@ -355,14 +355,42 @@ def test_a_member_without_word_from_the_coordinator_past_its_lease_abandons_its_
     model = torch.nn.Linear(2, 1)
     data = torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8, 1))
     job = Job(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=4,
-              settings=RuntimeSettings(coordinator="127.0.0.1:1", lease=2.0))
+              settings=RuntimeSettings(coordinator="127.0.0.1:1", **settings))
 
     class Client:
         last_ok = _time.monotonic()
 
     job._client = Client()
+    return job, Client
+
+
+def test_a_member_past_its_lease_may_not_commit_and_past_its_grace_abandons_its_generation():
+    import time as _time
+
+    job, client = _job_with_a_fake_client(lease=2.0, coordinator_grace=3.0)
     assert job._abandon_reason(1) is None
-    Client.last_ok = _time.monotonic() - 2.5
+    client.last_ok = _time.monotonic() - 2.5
+    assert job._abandon_reason(1) is None  # within the grace: waits go on
+    reason = job._abandon_reason(1, for_commit=True)
+    assert reason and "lease 2.0 s" in reason  # but no commit
+    client.last_ok = _time.monotonic() - 5.5
     reason = job._abandon_reason(1)
     assert reason and "lease 2.0 s" in reason
-    assert job._abandon_reason(1, for_commit=True) == reason  # no commit either
+
+
+def test_a_commit_past_the_lease_waits_for_the_coordinator_to_answer_again():
+    import threading
+    import time as _time
+
+    job, client = _job_with_a_fake_client(lease=2.0, coordinator_grace=3.0)
+    client.last_ok = _time.monotonic() - 2.5
+    answered = threading.Timer(0.3, lambda: setattr(client, "last_ok", _time.monotonic()))
+    answered.start()
+    started = _time.monotonic()
+    assert job._joiner.commit_reason(1) is None
+    assert _time.monotonic() - started >= 0.25
+    client.last_ok = _time.monotonic() - 4.8  # never answers: gives up at the end of the grace
+    started = _time.monotonic()
+    reason = job._joiner.commit_reason(1)
+    assert reason and "no reply from the coordinator" in reason
+    assert 0.1 < _time.monotonic() - started < 2.0
