@@ -1,8 +1,9 @@
 """A member's side of healing, right after its generation's group is built (DESIGN step 2).
 
 The members exchange (next step, fresh, lineage digest); :func:`unbroken.healing.plan` picks the
-source and the receivers, and the source sends its whole training state to each receiver over
-the new group (:mod:`unbroken.healing` holds the wire format). If nobody holds live state (the
+source and the receivers, and the state fans out over the new group in rounds
+(:func:`unbroken.healing.rounds`: every member that holds it, receivers once healed included,
+sends it to one more member per round) (:mod:`unbroken.healing` holds the wire format). If nobody holds live state (the
 start of a job, or every holder died), the group's rank 0 first reads the newest checkpoint.
 Every member then reseeds its RNGs for itself, since healing copied the source's. When no member
 holds live state and every member built the same state (the same model from the same seed), no
@@ -70,26 +71,38 @@ class Healer:
         return len(set(table.reshape(-1).tolist())) == 1
 
     def _transfer(self, group: Any, plan: Any) -> None:
+        """Run this member's part of the fan-out (:func:`unbroken.healing.rounds`): receive the
+        state once if behind, then send it on in every later round that names this member."""
         job = self.job
         started = time.monotonic()
-        if group.rank == plan.source:
-            state = job._state()
-            sent = 0
-            for receiver in plan.receivers:
-                sent += healing.send_state(group, state, receiver, lambda: job._chaos.point("heal", job.next_step), job._tick)
+        schedule = healing.rounds(plan, group.size)
+        received_from, sent, receivers = None, 0, []
+        for pairs in schedule:
+            for sender, receiver in pairs:
+                if receiver == group.rank:
+                    gpu = job._device if job._device.type == "cuda" else None
+                    state, received = healing.recv_state(group, sender, job._tick, gpu)
+                    job._load(state)
+                    del state
+                    job.fresh = False
+                    received_from = sender
+                    log.info("%s: healed to step %d from %s (%d bytes)", job.member_id, job.next_step, group.members[sender], received)
+                elif sender == group.rank:
+                    # A receiver sends what it loaded: its state now equals the source's bit for bit.
+                    state = job._state()
+                    sent += healing.send_state(group, state, receiver, lambda: job._chaos.point("heal", job.next_step), job._tick)
+                    del state
+                    receivers.append(receiver)
+        if receivers:
             job.fresh = False
             job._events.emit(
                 "heal",
                 generation=group.number,
                 sender=job.member_id,
-                receivers=[group.members[r] for r in plan.receivers],
+                receivers=[group.members[r] for r in receivers],
+                received_from=None if received_from is None else group.members[received_from],
+                rounds=len(schedule),
                 step=plan.step,
                 bytes=sent,
                 seconds=time.monotonic() - started,
             )
-        elif group.rank in plan.receivers:
-            gpu = job._device if job._device.type == "cuda" else None
-            state, received = healing.recv_state(group, plan.source, job._tick, gpu)
-            job._load(state)
-            job.fresh = False
-            log.info("%s: healed to step %d from %s (%d bytes)", job.member_id, job.next_step, group.members[plan.source], received)

@@ -93,6 +93,26 @@ def plan(statuses: list[tuple[int, ...]]) -> HealPlan:
     return HealPlan(best, receivers, top_step)
 
 
+def rounds(plan_: HealPlan, size: int) -> list[list[tuple[int, int]]]:
+    """The transfers of ``plan_`` in a group of ``size``, as rounds of (sender, receiver) pairs. Pure.
+
+    The state fans out: every member that holds it (the source, the members at its step with its
+    history, and every receiver once healed) sends it to one receiver per round, so ``R``
+    receivers take about ``log2(R + 1)`` rounds, not ``R`` transfers from one source. Within a
+    round every member sends or receives at most once, and a receiver sends only in rounds after
+    the one that healed it, so the rounds cannot deadlock.
+    """
+    holders = [plan_.source] + [r for r in range(size) if r != plan_.source and r not in plan_.receivers]
+    waiting = list(plan_.receivers)
+    schedule = []
+    while waiting:
+        pairs = list(zip(holders, waiting))
+        waiting = waiting[len(pairs):]
+        holders += [receiver for _, receiver in pairs]
+        schedule.append(pairs)
+    return schedule
+
+
 _DIGEST_MOD = (1 << 61) - 1
 
 

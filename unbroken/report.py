@@ -138,7 +138,9 @@ def analyze(log: Log) -> dict[str, Any]:
         },
         "steps_redone": len(redone),
         "redone_steps": sorted(redone),
-        "heals": {"count": len(heals), "bytes": int(_sum_field(heals, "bytes")), "seconds": _sum_field(heals, "seconds")},
+        # one event per sender of a fan-out: count the members healed, and each healing's longest sender
+        "heals": {"count": sum(len(e.get("receivers") or [1]) for e in heals), "bytes": int(_sum_field(heals, "bytes")),
+                  "seconds": sum(max(num(e, "seconds") or 0.0 for e in group) for group in _by_generation(heals).values())},
         "checkpoints": _checkpoint_figures([e for e in events if e["kind"] == "checkpoint"]),
         "finished": any(e["kind"] == "finished" for e in events),
         "job_failed": str(failed[0].get("reason")) if failed else None,
@@ -170,3 +172,10 @@ def main(run_dirs: Sequence[str], as_json: bool = False, png: str | None = None,
     else:
         print_table(figures, file=out)
     return 0
+
+
+def _by_generation(events: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for event in events:
+        groups.setdefault(event.get("generation"), []).append(event)
+    return groups

@@ -73,7 +73,7 @@ def print_table(figures: dict[str, Any], file=None) -> None:
     table.add_row("restarts", str(f["restarts"]), "")
     table.add_row("generations", str(f["generations"]), "")
     heals = f["heals"]
-    table.add_row("heals", str(heals["count"]), f"{_bytes(heals['bytes'])} in {_seconds(heals['seconds'])}" if heals["count"] else "")
+    table.add_row("members healed", str(heals["count"]), f"{_bytes(heals['bytes'])} in {_seconds(heals['seconds'])}" if heals["count"] else "")
     cp = f["checkpoints"]
     table.add_row(
         "checkpoints",

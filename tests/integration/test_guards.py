@@ -44,8 +44,10 @@ def test_a_node_that_does_not_match_the_job_is_refused_and_stopped_while_the_oth
             f.write("\n# a different version of the script\n")
     else:
         env_b = {"UNBROKEN_BUCKET_CAP_MB": "10"}
+    # 200 steps: node a trains for 20 s or more, so node b joins while a's job runs however slowly
+    # b's worker starts on a loaded machine (with 60 steps a once finished before b joined).
     a = _start(["run", "--run-dir", run_a, "--node-name", "a", "--nproc-per-node", "2",
-                harness.EXACT, "--steps", "60", "--step-delay", "0.1", "--out", f"{run_a}/final"])
+                harness.EXACT, "--steps", "200", "--step-delay", "0.1", "--out", f"{run_a}/final"])
     b = None
     try:
         started = harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("coordinator_start"), 60, "node a's coordinator")
@@ -56,7 +58,7 @@ def test_a_node_that_does_not_match_the_job_is_refused_and_stopped_while_the_oth
             token = json.load(f)["token"]
         harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("step"), 90, "node a to train")
         b = _start(["run", "--run-dir", run_b, "--node-name", "b", "--coordinator", address, "--nproc-per-node", "1",
-                    "--token", token, script, "--steps", "60", "--step-delay", "0.1"], env=env_b)
+                    "--token", token, script, "--steps", "200", "--step-delay", "0.1"], env=env_b)
         out_b, err_b = _finish(b, timeout=120)
         out_a, err_a = _finish(a)
     finally:

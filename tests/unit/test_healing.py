@@ -551,3 +551,36 @@ def test_state_digest_is_equal_for_equal_states_whatever_their_rng_and_differs_o
     assert healing.state_digest({"x": torch.zeros(2)}) != healing.state_digest({"x": torch.zeros(2, dtype=torch.float64)})
     assert healing.state_digest({"x": torch.zeros(2)}) != healing.state_digest({"x": torch.zeros(1, 2)})
     assert 0 <= healing.state_digest(a) < 2**63
+
+
+# -- the fan-out ---------------------------------------------------------------------------------
+
+
+@given(st.integers(min_value=1, max_value=300), st.data())
+@settings(max_examples=200, deadline=None)
+def test_the_fan_out_heals_every_receiver_once_from_a_holder_in_log_rounds(size, data):
+    source = data.draw(st.integers(min_value=0, max_value=size - 1))
+    others = [r for r in range(size) if r != source]
+    receivers = tuple(sorted(data.draw(st.sets(st.sampled_from(others), max_size=len(others))) if others else ()))
+    schedule = healing.rounds(HealPlan(source, receivers, 5), size)
+    holders = {r for r in range(size) if r not in receivers}
+    healed = []
+    for pairs in schedule:
+        busy = [r for pair in pairs for r in pair]
+        assert len(busy) == len(set(busy)), "a member sends or receives twice in one round"
+        for sender, receiver in pairs:
+            assert sender in holders, "a member sends before it holds the state"
+            assert receiver not in holders
+        holders |= {receiver for _, receiver in pairs}
+        healed += [receiver for _, receiver in pairs]
+    assert sorted(healed) == sorted(receivers)
+    start = size - len(receivers)  # the holders before the first round: each round doubles them
+    depth = 0
+    while start << depth < size:
+        depth += 1
+    assert len(schedule) == depth  # 1 source and 15 receivers: 4 rounds, not 15 transfers
+
+
+def test_receivers_send_on_in_later_rounds():
+    schedule = healing.rounds(HealPlan(0, tuple(range(1, 8)), 3), 8)
+    assert schedule == [[(0, 1)], [(0, 2), (1, 3)], [(0, 4), (1, 5), (2, 6), (3, 7)]]

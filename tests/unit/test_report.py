@@ -96,7 +96,7 @@ def test_the_figures_of_a_run_with_one_kill(tmp_path):
     assert (f["steps_redone"], f["redone_steps"]) == (1, [50])  # the step that generation 1 lost
     assert f["restarts"] == 1
     assert f["generations"] == 3
-    assert f["heals"] == {"count": 2, "bytes": 4000, "seconds": pytest.approx(0.01)}
+    assert f["heals"] == {"count": 4, "bytes": 4000, "seconds": pytest.approx(0.01)}
     assert f["checkpoints"]["count"] == 0
     assert f["finished"] is True and f["job_failed"] is None
 
