@@ -117,7 +117,7 @@ class Inputs:
     unbroken_reform_s: tuple = _in(
         ((1000, 0.34), (4000, 1.77), (8000, 2.88)), "(members, s)", "measured here",
         "a member killed -> every survivor re-formed, heartbeat interval 2 s, 2 shared cores (`python "
-        "benchmarks/bench_scale.py --members 1000 4000`, then `--members 8000`; docs/guide/scale.md); "
+        "benchmarks/bench_coordinator.py --members 1000 4000`, then `--members 8000`; docs/guide/scale.md); "
         "linear between, extrapolated beyond 8,000")
     unbroken_rejoin_s: float = _in(3.92, "s", "measured here", f"restarted process -> its first commit ({COMPARE})")
     restart_crash_s: float = _in(6.41, "s", "measured here", "torchrun elastic, SIGKILL -> survivors commit again "

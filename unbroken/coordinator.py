@@ -115,7 +115,7 @@ def collect_less_often() -> None:
     A coordinator of thousands of members holds some 150 objects per member (connections,
     requests, futures): with Python's thresholds, a full collection of 600,000 objects every few
     seconds held its event loop for 0.2-0.7 s on a loaded machine, every member's lease ticking
-    meanwhile. With these, bench_scale at 4,000 members: CPU per heartbeat 128 µs (was 230-250),
+    meanwhile. With these, bench_coordinator at 4,000 members: CPU per heartbeat 128 µs (was 230-250),
     a kill re-formed in 2.0 s (was 7.4-9), worst stall 0.49 s (was 2.3). Reference cycles are
     still collected, only in larger batches."""
     import gc

@@ -165,7 +165,7 @@ class CoordinatorApi:
             while True:
                 view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
                 remaining = deadline - time.monotonic()
-                if view != seen or remaining <= 0:
+                if remaining <= 0 or (view != seen and self._news(member_id, view, seen)):
                     if transport is not None and self._heartbeat_connections.get(member_id) is transport:
                         self._idle_connections[member_id] = transport  # watched by looking until the next poll
                     return self._reply(view)
@@ -173,6 +173,28 @@ class CoordinatorApi:
         except asyncio.CancelledError:
             self._connection_closed(member_id)
             raise
+
+    def _news(self, member_id: str, view: dict[str, Any], seen: dict[str, Any]) -> bool:
+        """Whether ``view`` tells the member something its own join does not: a held heartbeat
+        answers at once only then, and otherwise at the end of its hold.
+
+        A member learns from its join's reply that it waits, and then the generation it was formed
+        into; answering every heartbeat poll of a re-formation for that as well would double the
+        coordinator's messages when it is busiest (thousands of members re-forming at once)."""
+        formed_into = (
+            not view["broken"] and not view["reconfigure"]
+            and self.state.current is not None and member_id in self.state.current.ranks
+        )
+        for key, value in view.items():
+            old = seen.get(key)
+            if value == old:
+                continue
+            if key == "state" and value in ("waiting", "active") and old in ("waiting", "active"):
+                continue
+            if key in ("generation", "broken", "reconfigure") and formed_into:
+                continue
+            return True
+        return False
 
     def _check_connections(self, members: Any = None) -> None:
         """Every member (of ``members``; None: all) whose newest heartbeat connection has closed

@@ -229,3 +229,36 @@ def test_a_join_that_crossed_the_formation_of_its_generation_is_answered_with_it
     reply = asyncio.run(run())
     assert (reply["status"], reply["generation"], reply["rank"]) == ("formed", generation.number, 1)
     assert state.members["b"].state is MemberState.ACTIVE and not state.reconfigure_wanted()
+
+
+def test_a_held_heartbeat_answers_a_break_at_once_but_not_the_members_own_join_or_formation():
+    coordinator = _coordinator(expected_members=2, heartbeat_timeout=30.0)
+
+    async def beat(member, seen):
+        started = time.monotonic()
+        reply = json.loads((await coordinator._heartbeat(_Request({"member": member, "seen": seen, "hold": 0.4}))).text)
+        return reply, time.monotonic() - started
+
+    async def run():
+        now = time.monotonic()
+        for member in ("a", "b"):
+            coordinator.state.join(member, "n", None, 0, now)
+        coordinator._bump()  # generation 1
+        view, _ = await beat("a", {})
+        held = asyncio.ensure_future(beat("a", view))
+        await asyncio.sleep(0.05)
+        coordinator.state.report_failure("b", 1, time.monotonic())  # generation 1 breaks
+        coordinator._bump()
+        broken, waited_for_break = await held
+        held = asyncio.ensure_future(beat("a", broken))
+        await asyncio.sleep(0.05)
+        for member in ("a", "b"):  # both join again: a waits, then generation 2 forms
+            coordinator.state.join(member, "n", None, 0, time.monotonic())
+            coordinator._bump()
+        formed, waited_for_formation = await held
+        return broken, waited_for_break, formed, waited_for_formation
+
+    broken, waited_for_break, formed, waited_for_formation = asyncio.run(run())
+    assert broken["broken"] and waited_for_break < 0.3  # news: answered at once
+    # a's join told it that it waits, then that it is in generation 2: the poll held its full hold
+    assert formed["generation"] == 2 and not formed["broken"] and waited_for_formation > 0.35

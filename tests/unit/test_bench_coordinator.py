@@ -1,4 +1,4 @@
-"""benchmarks/bench_scale.py at a small size: the load test of the real coordinator stays runnable
+"""benchmarks/bench_coordinator.py at a small size: the load test of the real coordinator stays runnable
 and its figures stay within bounds (a few seconds)."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_twenty_simulated_members_form_heartbeat_and_reform_after_a_kill_within_a_second():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
-        import bench_scale
+        import bench_coordinator
     finally:
         sys.path.pop(0)
     args = argparse.Namespace(interval=0.5, timeout=10.0, steady=1.0, limit=20.0)
-    row = bench_scale.run_size(20, args, ROOT)
+    row = bench_coordinator.run_size(20, args, ROOT)
     assert row["form_s"] is not None and row["form_s"] < 10
     assert row["reform_s"] is not None and row["reform_s"] < 5
     assert row["heartbeats_per_s"] > 0 and row["request_errors"] == 0
+    assert row["heartbeat_p99_ms"] is not None and row["coordinator_cpu_s_per_s"] > 0 and row["cpu_us_per_member_s"] > 0
     # a lean formed reply is about 200 bytes, whatever the number of members
     assert 0 < row["formed_reply_bytes"] < 19 * 400
