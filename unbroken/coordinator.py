@@ -56,6 +56,7 @@ from unbroken.coordinator_api import CoordinatorApi
 from unbroken.errors import ConfigError
 from unbroken.leading import Leading
 from unbroken.membership import Membership, MembershipSettings
+from unbroken.open_files import raise_limit
 from unbroken.telemetry import EventLog
 
 log = logging.getLogger(__name__)
@@ -252,9 +253,13 @@ class Coordinator(CoordinatorApi, Leading):
         self.events.emit("coordinator_start", port=self.port, store_port=self.store_port, incarnation=self.incarnation)
         log.info("coordinator listening on %s:%s, store on port %s", self.settings.host, self.port, self.store_port)
 
+    def _expected_members(self) -> int:
+        return max(self.membership_settings.expected_members, self.membership_settings.max_members or 0)
+
     def start_in_thread(self) -> "Coordinator":
         """Start the store and the HTTP server on a daemon thread; returns once listening."""
-        if max(self.membership_settings.expected_members, self.membership_settings.max_members or 0) >= LARGE_JOB:
+        raise_limit(2 * self._expected_members(), f"a coordinator of {self._expected_members()} members")
+        if self._expected_members() >= LARGE_JOB:
             collect_less_often()
         self._start_store()
         ready = threading.Event()
@@ -293,6 +298,7 @@ class Coordinator(CoordinatorApi, Leading):
     def serve_forever(self) -> None:
         """Run in the calling thread until :meth:`stop` (or Ctrl-C)."""
         collect_less_often()  # a process of its own: nothing else in it minds
+        raise_limit(2 * self._expected_members(), f"a coordinator of {self._expected_members()} members")
         self._start_store()
 
         async def main() -> None:

@@ -27,6 +27,7 @@ import torch
 
 from unbroken.errors import EXIT_MISMATCH, GenerationFailed, Unauthorized, UnbrokenError
 from unbroken.lifetime import ExitGuard, die_with_launcher
+from unbroken.open_files import raise_limit
 
 if TYPE_CHECKING:
     from unbroken.runtime import Job
@@ -270,6 +271,8 @@ class Joiner:
             from unbroken.roster import Roster
 
             members = Roster(self.client, number, int(reply["size"]), job.member_id, reply["rank"])
+        # a Gloo group holds a connection to each peer it talks to
+        raise_limit(len(members), f"a member of a generation of {len(members)}")
         group = GenerationGroup(
             number,
             reply["rank"],
