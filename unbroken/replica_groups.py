@@ -83,8 +83,8 @@ def process_micro_batches(plan: DataPlan, step: int, group: int, groups: int, pr
     the group (at least one, possibly empty).
 
     The count is ``ceil(largest part in the group / micro_batch_size)`` (at least 1); each part is
-    cut into that many contiguous pieces differing by at most one, so no piece exceeds the
-    micro-batch size. A process with fewer samples (or none, when ``G < groups * group_size``) still
+    cut as :meth:`DataPlan.micro_batches` cuts a share (pieces of the micro-batch size from the
+    start, the last one shorter), then padded with empty ranges up to that count. A process with fewer samples (or none, when ``G < groups * group_size``) still
     runs the same number of forward/backward passes, some on empty batches, because each FSDP
     backward is a collective of the whole group. The loss of a micro-batch must then be written as
     a *sum* over its samples divided by ``G`` (an empty batch contributes 0, not NaN).
@@ -94,7 +94,8 @@ def process_micro_batches(plan: DataPlan, step: int, group: int, groups: int, pr
     largest = len(_part(share, 0, group_size))  # part 0 is never smaller than the others
     count = max(1, math.ceil(largest / plan.micro_batch_size))
     mine = _part(share, process, group_size)
-    return [_part(mine, i, count) for i in range(count)]
+    m = plan.micro_batch_size
+    return [mine[i * m : (i + 1) * m] for i in range(count)]
 
 
 # -- every group has the same size and sharding ----------------------------------------------------
