@@ -109,7 +109,9 @@ class Variant:
 
     def step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> None:
         mbs = process_micro_batches(self.plan, step, self.group, GROUPS, self.process, GROUP_SIZE)
-        for mb in mbs:
+        for i, mb in enumerate(mbs):
+            if self.kind == "hsdp":  # FSDP's replicate allreduce once per step, not per micro-batch
+                self.model.set_requires_all_reduce(i == len(mbs) - 1)
             idx = self.plan.indices(mb)
             loss_of(self.model, x[idx], y[idx], self.args.global_batch).backward()
         if self.kind == "groups":

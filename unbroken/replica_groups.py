@@ -4,7 +4,7 @@ A *replica group* is K processes that shard one replica of the model with FSDP2 
 over the group's own 1-D device mesh). The coordinator's members are groups; process ``j`` of
 every group holds the same shard, so the cross-group gradient allreduce, healing and checkpoints
 all work per shard index ``j``. This module holds the pure pieces the runtime will need; it does
-not integrate them (see ``docs/design/replica-groups.md`` for the findings and the plan):
+not integrate them (the design note at the end of this docstring has the findings and the plan):
 
 - :func:`process_share` / :func:`process_micro_batches`: the data plan split for groups. Group
   ``g`` of ``n`` takes its contiguous share of step ``s`` exactly as a member does
@@ -17,6 +17,142 @@ not integrate them (see ``docs/design/replica-groups.md`` for the findings and t
   FSDP2 module, in registration order, for the cross-group allreduce.
 - :func:`local_state_shards`, :func:`load_local_state_shards`: the tensors process ``j`` holds
   (parameter shards, buffers, optimizer state shards), for shard-by-shard healing.
+
+## Design note (issue 18 spike)
+
+(Kept here rather than in ``docs/``: the site is built with ``mkdocs build --strict``, which
+refuses a page that is not in the navigation.)
+
+Status: spike. Building blocks in this module (unit tests in
+`tests/unit/test_replica_groups.py`), a standalone proof in `examples/hsdp_reference.py`. Nothing
+of the runtime uses them yet. All figures: torch 2.13.0+cpu, Gloo, this 2-core shared machine.
+
+### What was found
+
+**FSDP2 inside a group, nothing across.** `fully_shard(module, mesh=group_mesh)` over a 1-D mesh
+of the group's K processes only reduce-scatters inside the group. The example takes that mesh as
+the `shard` row of `init_device_mesh("cpu", (n, K), mesh_dim_names=("replicate", "shard"))`
+(`mesh2d["shard"]`); the runtime will instead make the group its own world (or
+`DeviceMesh.from_group(group_pg, "cpu")`) since a group's lifetime is not the job's. With a 1-D
+mesh FSDP has no replicate dimension, so its cross-replica allreduce is simply absent (with a 2-D
+mesh, `set_requires_all_reduce(False)` does *not* help, from reading `foreach_reduce`: FSDP then keeps the reduce-scatter output
+as a pending partial sum and never writes `param.grad` until a backward with the allreduce on).
+
+**Gradient division off.** `FSDPModule.set_gradient_divide_factor(1.0)` (the old
+`set_reduce_scatter_divide_factor` is a deprecated alias). It is per FSDP module, not recursive:
+call it on every `FSDPModule` in `model.modules()`. In `_fsdp_collectives._get_gradient_divide_factors`
+a factor of 1 gives `ReduceOp.SUM` and no pre/post division for float64/float16; for float32 and
+bfloat16 it chooses `ReduceOp.PREMUL_SUM(1/factor)`, which Gloo refuses (checked: "Cannot use ReduceOp.PREMUL_SUM
+with Gloo"), so also call
+`set_force_sum_reduction_for_comms(True)` (SUM plus a division by 1, skipped). With the
+share-weighted loss (DESIGN step 4), written as *sum over samples / G* so that an empty
+micro-batch gives 0 rather than NaN, the sum over the group and then over the groups is exactly
+the gradient of the mean loss.
+
+**Local gradient shards.** After backward `param.grad` is a DTensor (`Shard(0)` on the group
+mesh); `grad._local_tensor` is process j's shard, and writing it in place changes the gradient the
+optimizer uses (`local_gradient_shards`). Shards may be uneven (dim 0 of 5 over 2 processes: 3 and
+2 rows) or empty, but process j has the same shapes in every group. The example flattens them,
+allreduces (sum) over a `ProcessGroupGloo` built over `PrefixStore("gen0/shard{j}", store)` with
+one rank per group (as `group.py` builds a generation), and copies back. Alternative not tried:
+`set_all_reduce_hook(hook)` runs the hook on each FSDP unit's flat reduce-scatter output, which
+would let the cross-group allreduce start during backward, like today's buckets.
+
+**Same number of backward passes in a group.** Every FSDP backward is a reduce-scatter of the
+whole group, so all K processes must run the same number of micro-batches even when their parts
+differ by one sample or are empty (`G < n*K`). `process_micro_batches` cuts each part as
+`DataPlan.micro_batches` does and pads with empty ranges to the group's count. Across groups the
+count may differ (the cross-group allreduce is once per step). Plain HSDP needs equal counts over
+*all* processes, which the example's defaults (G=30, micro-batch 4: 8/7/8/7 samples) satisfy.
+
+**`state_dict()` of an FSDP2 module** returns DTensors for parameters (global shape, placements
+`(Shard(dim=0),)`, local shape the process's rows) and plain tensors for buffers (BatchNorm
+statistics are not sharded). `optimizer.state_dict()` is keyed by parameter index, `step` a plain
+tensor, `exp_avg`/`exp_avg_sq` DTensors sharded like their parameter;
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, opt)` keys it by
+parameter name and returns the optimizer's own tensors (checked: the same objects).
+
+**Shard-by-shard healing.** `local_state_shards(model, opt)` gives name -> local tensor (no copies)
+for `model/<name>` and `optim/<param>/<key>`; process j of a live group sends them in this order
+(the receiver knows the layout: same code, same sharding) and process j of the healed group calls
+`load_local_state_shards`, which first creates a fresh optimizer's lazy state (torch's private
+`_init_optim_state`: a step with zero gradients at lr 0), refuses a different key set or shape
+with `GroupMismatch` before writing anything, then copies in place. Unit test: a fresh model and
+optimizer loaded this way step bit-identically to the live one. The K transfers of a heal are
+independent (one per shard index), so they run in parallel over K pairs.
+
+**Same size and sharding.** `GroupShape(size, sharding_fingerprint(model))` per group;
+`check_groups_match` refuses a differing group with `GroupMismatch` (a `ConfigError`), e.g.
+"group 'b' has 3 processes but the job's groups have 2 (every group must have the same size,
+--group-size 2, ...)". The fingerprint hashes name, global and local shape, dtype, placements and
+mesh shape of every parameter; process j of every group must agree with process j of the others.
+
+**DCP checkpoints** (a throwaway probe script with 1-2 processes, not kept in the repository): `dcp.save({"model":
+get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=dir)` from
+the 2 processes of one group wrote `.metadata`, `__0_0.distcp`, `__1_0.distcp` (one file per
+process). `dcp.load` into `get_model_state_dict`/`get_optimizer_state_dict` of a fresh model, then
+`set_model_state_dict`/`set_optimizer_state_dict`, restored it bit for bit (0.0 difference, and
+0.0 after 2 more steps) with 2 processes, with 1 FSDP process, and with a plain unsharded model
+without a process group. So a resume may change the number of groups (every group loads the same
+replica) and even the group size (DCP reshards on load). Only one group needs to write a
+checkpoint (all hold the same replica); `dcp.save(..., process_group=group_pg)` keeps DCP's
+planning collectives inside the writing group, and `dcp.async_save` exists for the background
+writer. Atomic publish: DCP writes into a fresh directory and unbroken's manifest names it only
+once every process of the group reported its file written and checksummed.
+
+### Measured
+
+`python examples/hsdp_reference.py` (defaults: MLP 32-512-512-512-8, 546,312 float64 parameters,
+2 groups x 2 processes, G=30, micro-batch 4, AdamW, 20 steps; then 30 healthy steps of each
+variant, interleaved, after 3 warm-up, the slowest process's time per step):
+
+| | relative difference to one process (20 steps) | shard j identical in both groups | healthy step, median (p10-p90) |
+| --- | --- | --- | --- |
+| replica groups (FSDP2 per group, own cross-group allreduce) | 1.36e-15 | yes | 165.2 ms (135.6-197.9) |
+| plain HSDP (FSDP2 2-D mesh, its own replicate allreduce once per step) | 1.36e-15 | yes | 167.0 ms (132.6-191.2) |
+
+Ratio 0.99 (the issue's target is <= 1.05x). With plain HSDP allreducing after every micro-batch
+(the default; `set_requires_all_reduce(False)` on all but the last avoids it) it took 164 ms vs
+145 ms for replica groups in an earlier run. The machine is shared and the spread is wide; the
+benchmark of record must be interleaved and repeated. `--steps 5 --hidden 64 --global-batch 29
+--micro-batch 3` (uneven shares 8/7/7/7) gave 5.9e-17.
+
+### What the runtime integration needs
+
+- **Launcher (`--group-size K`)**: start members of K processes; the group's processes get
+  `RANK_IN_GROUP`/`GROUP_SIZE` and a group-local rendezvous (their own store prefix, or one
+  process of the group hosting it); any exit in a group stops and restarts all K (a group is one
+  member for the restart policy and the coordinator). Document placement: K consecutive local
+  ranks on one node by default; under SLURM/Kubernetes a group may span nodes.
+- **joining.py / coordinator**: the member is the group. Process 0 of a group talks to the
+  coordinator (join, heartbeat, verdicts) and relays to its K-1 peers over the group's own store
+  or process group; or every process heartbeats and the coordinator treats the group as dead when
+  any is. The join carries `GroupShape`; the coordinator runs `check_groups_match` against the
+  job's shape (from the first group or the checkpoint) and refuses with `EXIT_MISMATCH`. A
+  generation builds K cross-group `GenerationGroup`s, prefix `gen{N}/shard{j}`, one per j.
+- **step.py**: the plan is `process_micro_batches(plan, s, group, groups, j, K)`; the loss stays
+  share-weighted; the loop-misuse check counts micro-batches per process. Buffers: broadcast from
+  group 0 within each shard index j (buffers are replicated, so every j does it, or only j = 0
+  then an intra-group broadcast).
+- **gradients.py**: buckets over `local_gradient_shards(model)` (presence slots as today) on the
+  shard-j cross group; overlap via `set_all_reduce_hook` or post-backward hooks on the FSDP
+  units. Commit needs *all K* shard allreduces to succeed in this group, and a group may commit
+  only if every other group did: a failure of shard j's allreduce in one group must make all K
+  processes of every group redo the step. So after the K allreduces the group agrees on success
+  (an intra-group allreduce of a flag) before any optimizer step; the cross-group fence is the
+  generation as today. The control slots (reconfigure flag, loss) travel in shard 0's bucket.
+- **healer.py**: heal per shard index: process j of a receiving group receives from process j of
+  a sender group over the shard-j cross group, `local_state_shards` order, K transfers in
+  parallel; the fan-out tree works per j unchanged. Step counter, RNG, scheduler and param_groups
+  travel as today (shard 0's channel). Digest/fresh exchange per shard index.
+- **checkpointing.py**: snapshot = `get_model_state_dict` + `get_optimizer_state_dict` + the
+  small state; one group (the lowest index) writes with `dcp.save/async_save(...,
+  process_group=group_pg)` into a fresh directory, then the manifest publishes it; resume reads
+  with `dcp.load` in every group (any number of groups, any group size).
+- **Tests** as issue 18 lists (3 groups x 2 with a SIGKILL and heal, SIGSTOP, resume with 2
+  groups, size mismatch refused).
+
+Not done in this spike: the hook-based overlap, group failure semantics, anything on NCCL.
 """
 
 from __future__ import annotations
