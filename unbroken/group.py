@@ -9,6 +9,14 @@ next generation makes a fresh one. An abandoned Gloo group is never destroyed wh
 pending on it (destroying it would block): it is parked in the :class:`Graveyard`, which releases
 it (its sockets and threads) once its pending work has completed or can no longer be running.
 
+Rendezvous: a Gloo group connects lazily (:data:`LAZY_CONNECT`). Building it costs one store
+write per member; each member then connects only the pairs it uses, reading one peer's address
+from the store per pair. :meth:`GenerationGroup.connect` connects this member's two ring
+neighbours (the pairs of every allreduce) before it returns, so that a peer that dies later is
+seen by the survivors' sockets at once, as with a full mesh. A full mesh (the default of torch)
+costs every member a read of every other member's record: N^2 store round trips per
+generation, and N-1 sockets per member (docs/guide/scale.md, "Rendezvous").
+
 Waits that must tolerate a peer's long deliberate work (a final checkpoint write, reading a
 checkpoint to resume from) use flags in the generation's store instead of a collective: such a
 wait ends when the flag is set or the generation is abandoned, never by a collective timeout.
@@ -72,17 +80,35 @@ def nccl_environment(timeout: float) -> dict[str, str]:
 
 
 
-def _device(store_host: str):
+LAZY_CONNECT = os.environ.get("UNBROKEN_GLOO_FULL_MESH", "") in ("", "0")
+"""Gloo groups connect their pairs on first use (``lazy_init`` of the Gloo device, what
+``TORCH_GLOO_LAZY_INIT`` sets for torch's own groups) rather than as a full mesh while being
+built. ``UNBROKEN_GLOO_FULL_MESH=1`` in a worker's environment restores the full mesh."""
+
+_WARM_TAG = 0x7E57  # the tag of the messages that connect a member's ring neighbours
+
+
+def _device(store_host: str, lazy: bool = False):
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if ifname:
-        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0], lazy_init=lazy)
     try:
         if ipaddress.ip_address(store_host).is_loopback:
-            return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+            return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=lazy)
     except ValueError:
         if store_host == "localhost":
-            return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    return dist.ProcessGroupGloo.create_default_device()
+            return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=lazy)
+    return dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)
+
+
+def _connect_ring(pg: Any, rank: int, size: int) -> list[Any]:
+    """Start connecting a lazily connecting group's pairs with this member's ring neighbours (the
+    pairs of a Gloo ring allreduce): one small message to the right and one from the left. The
+    caller waits on the works returned."""
+    if size < 2:
+        return []
+    right, left = (rank + 1) % size, (rank - 1) % size
+    return [pg.send([torch.zeros(1)], right, _WARM_TAG), pg.recv([torch.zeros(1)], left, _WARM_TAG)]
 
 
 class GenerationGroup:
@@ -122,14 +148,16 @@ class GenerationGroup:
     # -- construction --------------------------------------------------------------------------
 
     def connect(self, store: dist.Store, prefix: str, store_host: str) -> None:
-        """Build the group on a helper thread, watched like a wait: Gloo's full-mesh connect, or
-        an NCCL group (whose communicator is made by its first collective, also watched)."""
+        """Build the group on a helper thread, watched like a wait: a Gloo group (lazily
+        connecting, then its ring neighbours connected; or a full mesh, see :data:`LAZY_CONNECT`),
+        or an NCCL group (whose communicator is made by its first collective, also watched)."""
         result: list[Any] = []
         if self.backend == "nccl":
             for key, value in nccl_environment(self.timeout).items():
                 os.environ.setdefault(key, value)  # read by torch when the group is made
 
         made: list[Any] = []  # an NCCL group as soon as it exists, to abort if its first collective hangs
+        ring: list[Any] = []  # a lazy Gloo group as soon as it exists, then the works connecting its ring
 
         def build() -> None:
             try:
@@ -144,8 +172,14 @@ class GenerationGroup:
                     return
                 options = dist.ProcessGroupGloo._Options()
                 options._timeout = datetime.timedelta(seconds=self.timeout)
-                options._devices = [_device(store_host)]
-                result.append(dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, self.size, options))
+                options._devices = [_device(store_host, lazy=LAZY_CONNECT)]
+                pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, self.size, options)
+                if LAZY_CONNECT:
+                    ring.append(pg)
+                    ring.extend(_connect_ring(pg, self.rank, self.size))
+                    for work in ring[1:]:
+                        work.wait()
+                result.append(pg)
             except BaseException as exc:
                 result.append(exc)
             self._wake.set()
@@ -158,8 +192,12 @@ class GenerationGroup:
             if made:  # a peer never arrived: free the half-made communicator (and the helper thread)
                 self.aborted = True
                 _abort_nccl(made[0], self.device)
+            if ring:  # a neighbour never connected: let the group be parked with its pending works
+                self.pg, self.works = ring[0], list(ring[1:])
             raise
         if isinstance(result[0], BaseException):
+            if ring:
+                self.pg, self.works = ring[0], list(ring[1:])
             raise GenerationFailed(f"generation {self.number}: connect failed: {result[0]}")
         self.pg = result[0]
         self.store = dist.PrefixStore(prefix, store)
