@@ -271,8 +271,11 @@ class Joiner:
             from unbroken.roster import Roster
 
             members = Roster(self.client, number, int(reply["size"]), job.member_id, reply["rank"])
-        # a Gloo group holds a connection to each peer it talks to
-        raise_limit(len(members), f"a member of a generation of {len(members)}")
+        # A lazily connected Gloo group holds connections to its two ring neighbours and to the
+        # peers it heals or is healed by; the full mesh one to every peer.
+        from unbroken.group import LAZY_CONNECT
+
+        raise_limit(8 if LAZY_CONNECT else len(members), f"a member of a generation of {len(members)}")
         group = GenerationGroup(
             number,
             reply["rank"],

@@ -1,5 +1,5 @@
-"""The open-file limit: a coordinator holds two connections per member, and a member's Gloo group
-a connection to each peer it talks to, so the default soft limit of 1,024 descriptors ends a job
+"""The open-file limit: a coordinator holds two connections per member (and a member's Gloo group,
+with ``UNBROKEN_GLOO_FULL_MESH=1``, one to every peer), so the default soft limit of 1,024 descriptors ends a job
 of a few hundred members with ``Too many open files``.
 
 :func:`raise_limit` lifts this process's soft limit to its hard limit (which needs no privilege)
