@@ -3,9 +3,9 @@
 The members exchange (next step, fresh, lineage digest); :func:`unbroken.healing.plan` picks the
 source and the receivers, and the state fans out over the new group in rounds
 (:func:`unbroken.healing.rounds`: every member that holds it, receivers once healed included,
-sends it to one more member per round) (:mod:`unbroken.healing` holds the wire format). If nobody holds live state (the
-start of a job, or every holder died), the group's rank 0 first reads the newest checkpoint.
-Every member then reseeds its RNGs for itself, since healing copied the source's. When no member
+sends it to one more member per round; :mod:`unbroken.healing` holds the wire format). If nobody
+holds live state (the start of a job, or every holder died), the group's rank 0 first reads the
+newest checkpoint. Every member then reseeds its RNGs for itself, since healing copied the source's. When no member
 holds live state and every member built the same state (the same model from the same seed), no
 state is sent at all.
 """

@@ -259,7 +259,7 @@ class Joiner:
     def _form(self, reply: dict[str, Any]) -> bool:
         """Build the group of the generation that ``reply`` announces and heal it; False (after
         reporting the failure) if that generation broke meanwhile."""
-        from unbroken.group import GenerationGroup
+        from unbroken.group import LAZY_CONNECT, GenerationGroup
 
         job = self.job
         number = reply["generation"]
@@ -273,8 +273,6 @@ class Joiner:
             members = Roster(self.client, number, int(reply["size"]), job.member_id, reply["rank"])
         # A lazily connected Gloo group holds connections to its two ring neighbours and to the
         # peers it heals or is healed by; the full mesh one to every peer.
-        from unbroken.group import LAZY_CONNECT
-
         raise_limit(8 if LAZY_CONNECT else len(members), f"a member of a generation of {len(members)}")
         group = GenerationGroup(
             number,
