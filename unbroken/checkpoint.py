@@ -143,26 +143,52 @@ class CheckpointStore:
                 f.write(payload)
             if before_manifest:
                 before_manifest()
-            with self.fs.open(self._path(name, MANIFEST), "wb") as f:
-                f.write(json.dumps(manifest, indent=1).encode())
+            self.publish(name, manifest)
         return f"{self.url}/{name}"
 
     def _write_local(self, name: str, payload: bytes | memoryview, manifest: dict[str, Any], before_manifest: Callable[[], None] | None) -> None:
-        root = self.root
-        os.makedirs(root, exist_ok=True)
-        final = os.path.join(root, name)
-        tmp = os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
+        tmp = self.staging_dir(name)
         _write_synced(os.path.join(tmp, STATE_FILE), payload)
-        if os.path.isdir(final):  # an unpublished leftover of a save cut short
-            for leftover in os.listdir(final):
+        self.move_into_place(tmp, name)
+        if before_manifest:
+            before_manifest()
+        self.publish(name, manifest)
+
+    def staging_dir(self, name: str) -> str:
+        """A fresh local directory beside the checkpoints to write checkpoint ``name``'s files in
+        (local file systems only). Its name (``.step-NNNNNNNN.tmp-XXXXXXXX``) is one that
+        :meth:`retain` removes when a save was cut short before :meth:`move_into_place`."""
+        assert self.local, "staging directories are for local file systems"
+        os.makedirs(self.root, exist_ok=True)
+        tmp = os.path.join(self.root, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+        return tmp
+
+    def move_into_place(self, tmp: str, name: str) -> None:
+        """Rename the staging directory ``tmp`` (its files written and fsynced) to checkpoint
+        ``name``, replacing a leftover of that name (an unpublished one, or a published one being
+        written again: its manifest goes first, so it is never visible half-removed). Still
+        unpublished afterwards: :meth:`publish` makes it visible."""
+        final = os.path.join(self.root, name)
+        if os.path.isdir(final):
+            leftovers = sorted(os.listdir(final), key=lambda base: base != MANIFEST)  # the manifest first
+            for leftover in leftovers:
                 os.remove(os.path.join(final, leftover))
             os.rmdir(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
-        if before_manifest:
-            before_manifest()
-        _write_synced(os.path.join(final, f".{MANIFEST}.tmp"), json.dumps(manifest, indent=1).encode())
+        _fsync_dir(self.root)
+
+    def publish(self, name: str, manifest: dict[str, Any]) -> None:
+        """Make checkpoint ``name`` visible by writing its manifest, after every file it names is
+        complete: on a local file system written under a temporary name, fsynced and renamed into
+        place (then the directory fsynced); on an object store one PUT, which is atomic."""
+        data = json.dumps(manifest, indent=1).encode()
+        if not self.local:
+            with self.fs.open(self._path(name, MANIFEST), "wb") as f:
+                f.write(data)
+            return
+        final = os.path.join(self.root, name)
+        _write_synced(os.path.join(final, f".{MANIFEST}.tmp"), data)
         os.rename(os.path.join(final, f".{MANIFEST}.tmp"), os.path.join(final, MANIFEST))
         _fsync_dir(final)
 
