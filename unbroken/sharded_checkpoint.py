@@ -32,7 +32,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -151,9 +150,10 @@ def save_sharded(
     objects) and the group's process group (``None``: the default group, or this process alone
     without torch.distributed). Each process writes its own file with ``dcp.save`` and checksums
     it; process 0 then writes the manifest, with ``meta`` (JSON; its keys must not be the
-    manifest's own) and, given ``model``, the group's size and
+    manifest's own), the group's size and, given ``model``,
     :func:`~unbroken.replica_groups.sharding_fingerprint` of process 0. With ``keep``, process 0
-    then applies :meth:`CheckpointStore.retain`.
+    then applies :meth:`CheckpointStore.retain` (a failure there is logged: the checkpoint is
+    already published). Exactly one group may save a given step.
 
     Raises ``ValueError`` for a ``meta`` key the manifest uses; any error of a process (DCP's
     ``CheckpointException``, an ``OSError`` while checksumming or publishing) is raised on every
@@ -166,10 +166,7 @@ def save_sharded(
     peers = _Group(group)
     store = CheckpointStore(url)
     name = store.name(step)
-
-    # Where DCP writes: a staging directory process 0 makes (local), else the final name.
-    where = store.staging_dir(name) if (store.local and peers.rank == 0) else None
-    where = peers.gather(where)[0] or store._path(name)
+    where = _where_to_write(store, name, peers)
     if store.local:
         writer: dcp.StorageWriter = dcp.FileSystemWriter(where)
     else:
@@ -178,49 +175,76 @@ def save_sharded(
         writer = FsspecWriter(f"{store.url}/{name}")
     with _quiet_no_dist():
         metadata = dcp.save(dict(state), storage_writer=writer, **peers.dcp_args())
+    files = _checksums(store, where, metadata, peers)
 
-    # Each process checksums the files it wrote (process 0 also DCP's metadata and any file of
-    # no process), so a shard is read back once, by the process that has it in its page cache.
+    location: str | None = None
+    error: BaseException | None = None
+    if peers.rank == 0 and files is not None:
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "time": time.time(),
+            "group": {"size": peers.size, "sharding": _fingerprint(model)},
+            "files": files,
+            "versions": _versions(),
+            **meta,
+        }
+        try:
+            if store.local:
+                store.move_into_place(where, name)
+            store.publish(name, manifest)
+            location = f"{store.url}/{name}"
+        except Exception as exc:  # noqa: BLE001 - told to the group, then re-raised here
+            error = exc
+    location = peers.gather(location)[0]  # every process returns only once it is published
+    if error is not None:
+        raise error
+    if location is None:
+        raise OSError(f"checkpoint of step {step} at {store.url}/{name} was not published: "
+                      + ("a process could not checksum its files" if files is None else "process 0 could not publish it"))
+    log.info("sharded checkpoint of step %d published at %s (%d processes)", step, location, peers.size)
+    if keep is not None and peers.rank == 0:
+        try:
+            store.retain(keep, just_written=step)
+        except OSError as exc:  # the checkpoint is published; older ones stay until the next save
+            log.warning("retention after the checkpoint of step %d failed: %s", step, exc)
+    return location
+
+
+def _where_to_write(store: CheckpointStore, name: str, peers: _Group) -> str:
+    """The directory DCP writes checkpoint ``name`` into, the same on every process: on a local
+    file system a staging directory that process 0 makes (renamed into place when complete), on
+    an object store the final name (invisible until the manifest is written)."""
+    made: str | None = None
+    if store.local and peers.rank == 0:
+        try:
+            made = store.staging_dir(name)
+        except OSError as exc:
+            made = f"error: {exc}"
+    made = peers.gather(made)[0]
+    if made is not None and made.startswith("error: "):
+        raise OSError(f"process 0 of the group could not make a staging directory under {store.url}: {made[7:]}")
+    return made or store._path(name)
+
+
+def _checksums(store: CheckpointStore, where: str, metadata: dcp.Metadata, peers: _Group) -> dict[str, Any] | None:
+    """Size and sha256 of every file of the checkpoint, by name (None on every process if a
+    process could not read its files back; it logs why). Each process checksums the files it
+    wrote (process 0 also DCP's ``.metadata``), so every file is read back once, by the process
+    that has it in its page cache."""
     files = sorted({entry.relative_path for entry in metadata.storage_data.values()} | {DCP_METADATA})
     prefixes = [f"__{r}_" for r in range(peers.size)]
     mine = [f for f in files if f.startswith(prefixes[peers.rank])
             or (peers.rank == 0 and not any(f.startswith(p) for p in prefixes))]
     try:
-        sums: dict[str, Any] | str = {f: _sha256(store.fs, f"{where}/{f}") for f in mine}
+        sums: dict[str, Any] | None = {f: _sha256(store.fs, f"{where}/{f}") for f in mine}
     except OSError as exc:
-        sums = f"process {peers.rank} could not checksum its files: {exc}"
+        log.error("could not checksum the checkpoint files this process wrote under %s: %s", where, exc)
+        sums = None
     gathered = peers.gather(sums)
-    problems = [g for g in gathered if isinstance(g, str)]
-
-    result: str | None = None
-    error: BaseException | None = None
-    if peers.rank == 0 and not problems:
-        try:
-            manifest = {
-                "format": FORMAT,
-                "step": step,
-                "time": time.time(),
-                "group": {"size": peers.size, "sharding": _fingerprint(model)},
-                "files": {f: s for g in gathered for f, s in sorted(g.items())},
-                "versions": _versions(),
-                **meta,
-            }
-            if store.local:
-                store.move_into_place(where, name)
-            store.publish(name, manifest)
-            result = f"{store.url}/{name}"
-            if keep is not None:
-                store.retain(keep, just_written=step)
-        except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
-            error = exc
-            problems.append(f"process 0 could not publish it: {exc}")
-    outcome, shared = peers.gather((result, problems) if peers.rank == 0 else None)[0]
-    if error is not None:
-        raise error
-    if shared or outcome is None:
-        raise OSError(f"checkpoint of step {step} at {store.url}/{name} was not published: " + "; ".join(shared))
-    log.info("sharded checkpoint of step %d published at %s (%d processes)", step, outcome, peers.size)
-    return outcome
+    if any(g is None for g in gathered):
+        return None
+    return {f: entry for g in gathered for f, entry in sorted(g.items())}
 
 
 def _fingerprint(model: torch.nn.Module | None) -> str:

@@ -82,6 +82,7 @@ def test_a_saved_state_loads_back_bit_for_bit_with_its_manifest(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_users_dcp_tools_read_it_without_unbroken(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
