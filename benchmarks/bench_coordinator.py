@@ -126,6 +126,15 @@ class Connection:
             self.writer = None
 
 
+def news_hold() -> tuple[float, float]:
+    """The hold of a worker's poll after a changed view (this tree's, whatever ``--before`` runs)."""
+    if ROOT not in sys.path:
+        sys.path.append(ROOT)
+    from unbroken.client import NEWS_HOLD
+
+    return NEWS_HOLD
+
+
 class Member:
     def __init__(self, sim: "Simulation", index: int) -> None:
         self.sim = sim
@@ -151,11 +160,13 @@ class Member:
 
     async def _heartbeats(self) -> None:
         sim = self.sim
+        hold = sim.interval
         while True:
             sent = time.monotonic()
             try:
                 view, _ = await self.beat.post(
-                    "/v1/heartbeat", {"member": self.id, "step": 0, "progress": 0, "warm": True, "seen": self.view, "hold": sim.interval}
+                    "/v1/heartbeat",
+                    {"member": self.id, "step": 0, "progress": 0, "warm": True, "seen": self.view, "hold": hold, "blocked_on": sim.blocked_on},
                 )
             except Exception:
                 sim.errors += 1
@@ -164,9 +175,18 @@ class Member:
             now = time.monotonic()
             sim.heartbeats += 1
             if view == self.view and sim.measuring:
-                sim.lateness.append(now - sent - sim.interval)
+                sim.lateness.append(now - sent - hold)
+            hold = sim.interval
+            if view != self.view:
+                hold = sim.interval * random.uniform(*sim.news_hold)  # as the worker's heartbeat thread does
             self.view = view
-            if view.get("generation") == self.generation and (view.get("broken") or view.get("reconfigure")):
+            generation = view.get("generation", 0)
+            if generation > self.generation and view.get("state") == "active" and view.get("rank") is not None and not view.get("broken"):
+                # formed into it without joining (it waited in the broken generation's allreduce)
+                self.generation = generation
+                self.formed.setdefault(generation, now)
+                self.rejoin.clear()
+            elif generation == self.generation and (view.get("broken") or view.get("reconfigure")):
                 self.rejoin.set()
 
     async def _joins(self) -> None:
@@ -186,16 +206,20 @@ class Member:
                 sim.joins += 1
                 if reply["status"] == "formed":
                     sim.formed_bytes[reply["generation"]] = sim.formed_bytes.get(reply["generation"], 0) + size
-                    self.generation = reply["generation"]
-                    self.formed[self.generation] = time.monotonic()
+                    self.generation = max(self.generation, reply["generation"])
+                    self.formed.setdefault(reply["generation"], time.monotonic())
                     self.rejoin.clear()
                     break
 
 
 class Simulation:
-    def __init__(self, port: int, interval: float) -> None:
+    def __init__(self, port: int, interval: float, survivors: str = "waiting") -> None:
         self.port = port
         self.interval = interval
+        self.news_hold = news_hold()
+        self.blocked_on = "allreduce" if survivors == "waiting" else None
+        """What each member reports waiting in: the step's allreduce (``--survivors waiting``, where
+        a data-parallel job's survivors are when a member dies), or nothing (``computing``)."""
         self.heartbeats = 0
         self.joins = 0
         self.errors = 0
@@ -213,14 +237,16 @@ async def wait_all_formed(members: list[Member], generation: int, limit: float) 
     return None
 
 
-async def simulate(n: int, port: int, pid: int, lag_file: str, interval: float, steady: float, limit: float) -> dict:
-    sim = Simulation(port, interval)
+async def simulate(
+    n: int, port: int, pid: int, lag_file: str, interval: float, steady: float, limit: float, survivors: str = "waiting"
+) -> dict:
+    sim = Simulation(port, interval, survivors)
     members = [Member(sim, i) for i in range(n)]
     started = time.monotonic()
     for member in members:
         member.start()
     formed_at = await wait_all_formed(members, 1, limit)
-    result: dict = {"members": n, "interval_s": interval, "form_s": round(formed_at - started, 3) if formed_at else None}
+    result: dict = {"members": n, "interval_s": interval, "survivors": survivors, "form_s": round(formed_at - started, 3) if formed_at else None}
     if formed_at is None:
         held = sum(1 in m.formed for m in members)
         print(f"{n} members: {held} held the first generation after {limit:.0f} s; giving up", file=sys.stderr, flush=True)
@@ -282,7 +308,7 @@ def run_size(n: int, args, src: str) -> dict:
         )
         try:
             port = int(server.stdout.readline())
-            return asyncio.run(simulate(n, port, server.pid, lag_file, args.interval, args.steady, args.limit))
+            return asyncio.run(simulate(n, port, server.pid, lag_file, args.interval, args.steady, args.limit, args.survivors))
         finally:
             server.stdin.close()
             server.terminate()
@@ -318,6 +344,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="heartbeat timeout, seconds (generous: the simulator shares the CPU)")
     parser.add_argument("--steady", type=float, default=6.0, help="seconds of steady state measured")
     parser.add_argument("--limit", type=float, default=60.0, help="seconds a formation may take before the run gives up")
+    parser.add_argument(
+        "--survivors",
+        choices=["waiting", "computing"],
+        default="waiting",
+        help="where the survivors are when a member dies: waiting in the step's allreduce (as they report in their heartbeats;"
+        " formed into the next generation without joining) or computing (each comes to join)",
+    )
     parser.add_argument("--before", help="also run against the coordinator of this git revision")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import random
 import threading
 import time
 from typing import Any, Callable
@@ -164,6 +165,10 @@ class CoordinatorClient:
         return self.request("GET", "/v1/status")
 
 
+NEWS_HOLD = (0.5, 1.0)
+"""The hold of the poll after a changed view, as fractions of the interval (drawn uniformly)."""
+
+
 class Heartbeat:
     """Heartbeats the coordinator from a thread of its own and keeps the latest view.
 
@@ -208,6 +213,7 @@ class Heartbeat:
         self._stop.set()
 
     def _run(self) -> None:
+        hold = self.interval
         while not self._stop.is_set():
             sent = time.monotonic()
             try:
@@ -223,7 +229,7 @@ class Heartbeat:
                     busy=self.busy,
                     warm=self.warm,
                     seen=self.view,
-                    hold=self.interval,
+                    hold=hold,
                 )
             except Exception as exc:  # the lease check in the runtime decides what this means
                 log.debug("heartbeat failed: %s", exc)
@@ -232,6 +238,11 @@ class Heartbeat:
             if time.monotonic() - sent > self.max_age:
                 log.info("dropped a heartbeat reply %.1f s old", time.monotonic() - sent)
                 continue
+            hold = self.interval
             if view != self.view:
                 self.view = view
                 self.on_change(view)
+                # News reaches every member at once (a formation, a verdict), and each polls
+                # again at once: held for equal times, their polls would come back in one burst
+                # every interval ever after. A random hold for the next one spreads them out.
+                hold = self.interval * random.uniform(*NEWS_HOLD)

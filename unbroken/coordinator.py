@@ -326,6 +326,8 @@ class Coordinator(CoordinatorApi, Leading):
         broken_at = self.state.broken_at
         if not self._serving():
             return
+        if self.leadership is None:  # replicated: members hear only of durable generations, by joining
+            self.state.take_survivors(time.monotonic())
         generation, decision = self.state.maybe_form(time.monotonic())
         if self.leadership is not None and self.state.finished and not self._recorded_finished:
             self._recorded_finished = True
@@ -336,8 +338,9 @@ class Coordinator(CoordinatorApi, Leading):
             if broken_at is not None:
                 self.metrics.stalled(generation.formed_at - broken_at)
             log.info("generation %d formed: %s (%s)", generation.number, ", ".join(generation.members), decision.reason)
+            taken = {"without_joining": len(self.state.preformed)} if self.state.preformed else {}
             self.events.emit(
-                "generation", generation=generation.number, members=list(generation.members), reason=decision.reason
+                "generation", generation=generation.number, members=list(generation.members), reason=decision.reason, **taken
             )
         self._wake_changed()
 

@@ -161,6 +161,8 @@ class CoordinatorApi:
             busy=body.get("busy") or None,
             warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
         )
+        if self.leadership is None and self.state.take_survivors(time.monotonic()):
+            self._bump()  # the last survivor of a verdict reported waiting in a collective
         try:
             while True:
                 view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
@@ -180,10 +182,12 @@ class CoordinatorApi:
 
         A member learns from its join's reply that it waits, and then the generation it was formed
         into; answering every heartbeat poll of a re-formation for that as well would double the
-        coordinator's messages when it is busiest (thousands of members re-forming at once)."""
+        coordinator's messages when it is busiest (thousands of members re-forming at once). A
+        member formed into it without joining (``Membership.take_survivors``) learns of it here."""
         formed_into = (
             not view["broken"] and not view["reconfigure"]
             and self.state.current is not None and member_id in self.state.current.ranks
+            and member_id not in self.state.preformed
         )
         for key, value in view.items():
             old = seen.get(key)
@@ -191,7 +195,7 @@ class CoordinatorApi:
                 continue
             if key == "state" and value in ("waiting", "active") and old in ("waiting", "active"):
                 continue
-            if key in ("generation", "broken", "reconfigure") and formed_into:
+            if key in ("generation", "broken", "reconfigure", "rank", "size", "prefix") and formed_into:
                 continue
             return True
         return False

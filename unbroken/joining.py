@@ -197,6 +197,9 @@ class Joiner:
     def join(self) -> bool:
         """Join the next generation and heal; False if the job has finished (nothing to join)."""
         deadline = time.monotonic() + self.job.settings.join_timeout
+        taken = self._formed_without_joining()
+        if taken is not None and self._form(taken):
+            return True
         while True:
             reply = self._ask_to_join()
             if reply["status"] == "finished":
@@ -211,6 +214,35 @@ class Joiner:
                 continue
             if self._form(reply):
                 return True
+
+    def _formed_without_joining(self) -> dict[str, Any] | None:
+        """The join reply this member would get, when its heartbeat already told it that the
+        coordinator formed it into a newer generation (it was waiting in a collective of the one a
+        verdict broke: ``Membership.take_survivors``); None when it must ask. A view that is stale
+        by the time the group is built only costs a failed formation and a join."""
+        view = self.heartbeat.view if self.heartbeat else {}
+        number = view.get("generation", 0)
+        if (
+            self._store_address is None
+            or self._incarnation is None
+            or view.get("incarnation") != self._incarnation
+            or view.get("state") != "active"
+            or view.get("broken")
+            or view.get("rank") is None
+            or number <= max(self.job.generation, self.job._generation_floor)
+        ):
+            return None
+        host, port = self._store_address
+        return {
+            "status": "formed",
+            "incarnation": self._incarnation,
+            "generation": number,
+            "size": view["size"],
+            "rank": view["rank"],
+            "prefix": view["prefix"],
+            "store_host": host,
+            "store_port": port,
+        }
 
     def _ask_to_join(self) -> dict[str, Any]:
         job = self.job

@@ -78,6 +78,9 @@ class Membership(Liveness):
     set: only their long polls need waking, unless the view shared by all changed."""
     version: int = 0
     """Counts changes of the state; a view computed at one version holds until it moves."""
+    preformed: frozenset[str] = frozenset()
+    """Members of the current generation that were formed into it without joining it (see
+    :meth:`take_survivors`): they learn of it from their heartbeat reply, at once."""
 
     def __post_init__(self) -> None:
         self._counts: dict[MemberState, int] = {state: 0 for state in MemberState}
@@ -90,8 +93,16 @@ class Membership(Liveness):
         self._ended: deque[tuple[float, str]] = deque()
         """(ended_at, member) of members that died or left, oldest first: pruned in order."""
         self._max_step = 0
+        self._blocked_active = 0
+        """How many ACTIVE members report waiting in a collective (kept as states change, O(1))."""
+        self._verdict_pending = False
+        """A verdict broke the current generation and its survivors have not been taken yet."""
+        self._taken: set[str] = set()
+        """Survivors taken as waiting by :meth:`take_survivors`, until the next formation."""
         for member in self.members.values():
             self._counts[member.state] += 1
+            if member.state is MemberState.ACTIVE and member.blocked_on:
+                self._blocked_active += 1
             self._max_step = max(self._max_step, member.step)
             if member.state.value in _LIVE:
                 self._arm(member)
@@ -101,6 +112,10 @@ class Membership(Liveness):
     def _enter(self, member: Member, state: MemberState, now: float) -> None:
         """Move ``member`` to ``state``, keeping every count and index in step."""
         was_live = member.state.value in _LIVE
+        if member.state is MemberState.ACTIVE and member.blocked_on:
+            self._blocked_active -= 1
+        elif state is MemberState.ACTIVE and member.blocked_on:
+            self._blocked_active += 1
         self._counts[member.state] -= 1
         self._counts[state] += 1
         member.state = state
@@ -117,6 +132,8 @@ class Membership(Liveness):
     def _add(self, member: Member) -> None:
         self.members[member.id] = member
         self._counts[member.state] += 1
+        if member.state is MemberState.ACTIVE and member.blocked_on:
+            self._blocked_active += 1
         self.changed_members.add(member.id)
         self.version += 1
         if member.state.value in _LIVE:
@@ -170,6 +187,7 @@ class Membership(Liveness):
             self._note_wait(now, member_id, "waiting")
             return True
         member.warm = warm
+        self._taken.discard(member_id)
         if member.state is MemberState.WAITING:
             member.last_heartbeat = now
             return False
@@ -201,6 +219,8 @@ class Membership(Liveness):
                 member.step = max(member.step, step)
                 self._max_step = max(self._max_step, step)
             if blocked_on != member.blocked_on:
+                if member.state is MemberState.ACTIVE and bool(blocked_on) != bool(member.blocked_on):
+                    self._blocked_active += 1 if blocked_on else -1
                 member.blocked_on = blocked_on
                 member.blocked_since = now if blocked_on else None
                 if blocked_on:
@@ -238,6 +258,7 @@ class Membership(Liveness):
         self._enter(member, MemberState.DEAD, now)
         if self.current is not None and member_id in self.current.ranks:
             self._break(now)
+            self._verdict_pending = True
         return True
 
     def leave(self, member_id: str, finished: bool, step: int, now: float) -> bool:
@@ -252,6 +273,7 @@ class Membership(Liveness):
             in_current = self.current is not None and member_id in self.current.ranks
             if was_live and in_current and not finished:
                 self._break(now)
+                self._verdict_pending = True
         if finished and not self.finished:
             self.finished = True
             self.version += 1
@@ -282,6 +304,41 @@ class Membership(Liveness):
             return Decision(False, reason=f"{waiting} member(s) waiting, minimum is {self.settings.min_members}")
         return None
 
+    def take_survivors(self, now: float) -> bool:
+        """Take the survivors of a generation that a verdict broke as waiting to join the next one,
+        when every one of them reports waiting in one of its collectives; True if it took them.
+
+        A data-parallel job that loses a member finds its survivors waiting for it in the step's
+        allreduce: they are at no step boundary, but that collective can only fail now (or has
+        completed everywhere), and whatever they commit of it, healing reconciles. Forming the next
+        generation with them at once, instead of after each has abandoned the broken one and sent
+        a join, halves the requests of a re-formation (thousands of members re-forming at once);
+        they learn of it from their heartbeat reply. A survivor that computes (a long step) is at
+        no collective: then nobody is taken, and all come to join as usual. O(1) but once per
+        verdict, when it looks at the generation (O(generation))."""
+        current = self.current
+        if (
+            not self._verdict_pending
+            or current is None
+            or self.generation_state is not GenerationState.BROKEN
+            or self.finished
+            or self.failed
+        ):
+            return False
+        active = self._counts[MemberState.ACTIVE]
+        if active == 0 or self._blocked_active < active:
+            return False
+        self._verdict_pending = False
+        for member_id in current.members:
+            member = self.members.get(member_id)
+            if member is None or member.state is not MemberState.ACTIVE or member.fenced:
+                continue
+            member.waiting_since = now
+            self._enter(member, MemberState.WAITING, now)
+            self._note_wait(now, member_id, "waiting")
+            self._taken.add(member_id)
+        return True
+
     def maybe_form(self, now: float) -> tuple[Generation | None, Decision]:
         if self.finished:
             return None, Decision(False, reason="job finished")
@@ -301,6 +358,9 @@ class Membership(Liveness):
             member.blocked_on = member.blocked_since = None
             member.progress_at = now
             self._enter(member, MemberState.ACTIVE, now)
+        self.preformed = frozenset(self._taken.intersection(decision.members))
+        self._taken = set()
+        self._verdict_pending = False
         self.current = generation
         self.generation_state = GenerationState.ACTIVE
         self.broken_at = None
@@ -345,8 +405,14 @@ class Membership(Liveness):
     def view_for(self, member_id: str) -> dict[str, Any]:
         """What a member learns from a heartbeat reply. O(1)."""
         member = self.members.get(member_id)
+        current = self.current
         return {
-            "generation": self.current.number if self.current else 0,
+            "generation": current.number if current else 0,
+            # where this member stands in the current generation: a member formed into it
+            # without joining (:meth:`take_survivors`) builds its group from these
+            "rank": current.ranks.get(member_id) if current else None,
+            "size": len(current.members) if current else 0,
+            "prefix": current.prefix if current else None,
             "broken": self.generation_state is GenerationState.BROKEN,
             "reconfigure": self.reconfigure_wanted(),
             "state": member.state.value if member else "unknown",

@@ -7,20 +7,27 @@ import argparse
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_twenty_simulated_members_form_heartbeat_and_reform_after_a_kill_within_a_second():
+@pytest.mark.parametrize("survivors", ["waiting", "computing"])
+def test_twenty_simulated_members_form_heartbeat_and_reform_after_a_kill(survivors):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import bench_coordinator
     finally:
         sys.path.pop(0)
-    args = argparse.Namespace(interval=0.5, timeout=10.0, steady=1.0, limit=20.0)
+    args = argparse.Namespace(interval=0.5, timeout=10.0, steady=1.0, limit=20.0, survivors=survivors)
     row = bench_coordinator.run_size(20, args, ROOT)
     assert row["form_s"] is not None and row["form_s"] < 10
     assert row["reform_s"] is not None and row["reform_s"] < 5
     assert row["heartbeats_per_s"] > 0 and row["request_errors"] == 0
     assert row["heartbeat_p99_ms"] is not None and row["coordinator_cpu_s_per_s"] > 0 and row["cpu_us_per_member_s"] > 0
-    # a lean formed reply is about 200 bytes, whatever the number of members
-    assert 0 < row["formed_reply_bytes"] < 19 * 400
+    if survivors == "waiting":
+        # formed into the next generation by the reply to their held heartbeat: no join at all
+        assert row["formed_reply_bytes"] == 0 and row["reform_requests_per_member"] <= 1.5
+    else:
+        # each joins; a lean formed reply is about 200 bytes, whatever the number of members
+        assert 0 < row["formed_reply_bytes"] < 19 * 400 and row["reform_requests_per_member"] >= 1.9

@@ -24,7 +24,7 @@ def _recount(m: Membership) -> dict[MemberState, int]:
 
 operations = st.lists(
     st.tuples(
-        st.sampled_from(["join", "heartbeat", "dead", "leave", "failure", "form", "expire"]),
+        st.sampled_from(["join", "heartbeat", "dead", "leave", "failure", "form", "expire", "take"]),
         st.sampled_from(["a", "b", "c", "d", "e"]),
         st.integers(0, 3),
     ),
@@ -51,9 +51,14 @@ def test_the_counts_per_state_always_equal_a_recount_and_the_views_agree_with_th
             m.report_failure(member, m.current.number, now)
         elif op == "form":
             m.maybe_form(now)
+        elif op == "take":
+            m.take_survivors(now)
         else:
             m.expire(now)
         assert {s: m.count(s) for s in MemberState} == _recount(m)
+        blocked = sum(x.state is MemberState.ACTIVE and bool(x.blocked_on) for x in m.members.values())
+        assert m._blocked_active == blocked
+        assert m.preformed <= set(m.current.members if m.current else ())
         live = sum(x.state in (MemberState.WAITING, MemberState.ACTIVE) for x in m.members.values())
         assert m.live_count() == live
         assert len(m.history) <= 2
@@ -229,6 +234,42 @@ def test_a_join_that_crossed_the_formation_of_its_generation_is_answered_with_it
     reply = asyncio.run(run())
     assert (reply["status"], reply["generation"], reply["rank"]) == ("formed", generation.number, 1)
     assert state.members["b"].state is MemberState.ACTIVE and not state.reconfigure_wanted()
+
+
+def test_survivors_waiting_in_a_collective_hear_of_the_next_generation_in_the_reply_to_the_verdict():
+    coordinator = _coordinator(expected_members=3, heartbeat_timeout=30.0)
+    events: list[tuple[str, dict]] = []
+    coordinator.events.emit = lambda kind, **fields: events.append((kind, fields))
+
+    async def beat(member, seen, blocked_on=None):
+        started = time.monotonic()
+        body = {"member": member, "seen": seen, "hold": 0.4, "blocked_on": blocked_on}
+        reply = json.loads((await coordinator._heartbeat(_Request(body))).text)
+        return reply, time.monotonic() - started
+
+    async def run():
+        now = time.monotonic()
+        for member in ("a", "b", "c"):
+            coordinator.state.join(member, "n", None, 0, now)
+        coordinator._bump()  # generation 1
+        seen = {m: (await beat(m, {}, "allreduce"))[0] for m in ("a", "c")}  # both wait in the allreduce
+        held = asyncio.ensure_future(beat("a", seen["a"], "allreduce"))
+        await asyncio.sleep(0.05)
+        coordinator.state.mark_dead("b", "killed", time.monotonic())  # the verdict
+        coordinator._bump()
+        view, waited = await held
+        # c's runtime saw its collective fail and joins anyway: answered at once, not re-formed
+        joined = json.loads((await coordinator._join(_Request({"member": "c", "after": 1, "lean": True}))).text)
+        return view, waited, joined
+
+    view, waited, joined = asyncio.run(run())
+    assert waited < 0.3  # news: answered at once
+    assert (view["generation"], view["broken"], view["state"], view["rank"], view["size"]) == (2, False, "active", 0, 2)
+    assert view["prefix"] == "unbroken/gen2/"
+    assert (joined["status"], joined["generation"], joined["rank"]) == ("formed", 2, 1)
+    assert coordinator.state.current.number == 2
+    generations = [fields for kind, fields in events if kind == "generation"]
+    assert generations[-1]["members"] == ["a", "c"] and generations[-1]["without_joining"] == 2
 
 
 def test_a_held_heartbeat_answers_a_break_at_once_but_not_the_members_own_join_or_formation():

@@ -121,6 +121,7 @@ def test_an_exit_report_breaks_the_generation_and_survivors_form_the_next_withou
     assert view == {
         "generation": 1, "broken": True, "reconfigure": True, "state": "active",
         "reason": None, "fence": False, "finished": False, "failed": None,
+        "rank": 0, "size": 3, "prefix": "unbroken/gen1/",
     }
     assert m.view_for("b")["state"] == "dead"
     assert m.members["b"].death_reason == "killed by SIGKILL"
@@ -134,6 +135,46 @@ def test_an_exit_report_breaks_the_generation_and_survivors_form_the_next_withou
     assert second.members == ("a", "c")  # previous order, not join order
     assert m.generation_state is GenerationState.ACTIVE
     assert not m.view_for("a")["broken"]
+
+
+def test_after_a_verdict_survivors_waiting_in_a_collective_are_formed_into_the_next_without_joining():
+    m = _membership(expected_members=3)
+    _formed(m, "a", "b", "c")
+    m.heartbeat("a", 4, now=1.0, blocked_on="allreduce")
+    m.heartbeat("c", 4, now=1.0, blocked_on="allreduce")
+    m.mark_dead("b", "killed by SIGKILL", now=2.0)
+    assert m.take_survivors(2.0)
+    assert not m.take_survivors(2.0)  # once per verdict
+    second, _ = m.maybe_form(2.0)
+    assert second is not None and second.members == ("a", "c")
+    assert m.preformed == {"a", "c"}
+    assert (m.view_for("c")["generation"], m.view_for("c")["rank"], m.view_for("c")["state"]) == (2, 1, "active")
+
+
+def test_survivors_are_not_taken_while_one_computes_until_it_too_waits_in_a_collective():
+    m = _membership(expected_members=3)
+    _formed(m, "a", "b", "c")
+    m.heartbeat("a", 4, now=1.0, blocked_on="allreduce")
+    m.mark_dead("b", "killed by SIGKILL", now=2.0)
+    assert not m.take_survivors(2.0)  # c computes (a long step): it comes to join as usual
+    assert m.maybe_form(2.0)[0] is None
+    m.heartbeat("c", 4, now=2.5, blocked_on="allreduce")
+    assert m.take_survivors(2.5)
+    assert m.maybe_form(2.5)[0].members == ("a", "c")
+
+
+def test_a_failure_report_alone_takes_nobody_and_a_member_that_joins_is_not_counted_as_taken():
+    m = _membership(expected_members=3)
+    first = _formed(m, "a", "b", "c")
+    for member in ("a", "b", "c"):
+        m.heartbeat(member, 4, now=1.0, blocked_on="allreduce")
+    m.report_failure("a", first.number, now=2.0)  # nobody known dead: all three would be taken
+    assert not m.take_survivors(2.0)
+    m.mark_dead("b", "no heartbeat", now=2.1)
+    m.join("a", "n", pid=1, step=4, now=2.1)  # a saw its collective fail and joined first
+    assert m.take_survivors(2.2)
+    second, _ = m.maybe_form(2.2)
+    assert second.members == ("a", "c") and m.preformed == {"c"}
 
 
 def test_a_dead_member_that_is_not_in_the_current_generation_does_not_break_it():
