@@ -7,9 +7,14 @@ broken collective, or its heartbeats stopped) or a new member asked to join.
 
 The rule that keeps the protocol simple: a generation is formed only when *every* live member is
 waiting to join one. Members of a healthy generation learn that someone waits through the
-``reconfigure`` flag of their heartbeat replies, finish the current step together and come to
-join; after a failure they come at once. So every member of a new generation left its previous
-one at the same step boundary, or that generation broke.
+``reconfigure`` flag of their heartbeat replies, finish the current step together and come to join;
+after a failure they come at once. So every member of a new generation left its previous one at the
+same step boundary, or that generation broke. One exception (``Membership.take_survivors``): after
+a verdict broke the current generation (a member of it declared dead, or leaving unfinished), if
+every ACTIVE member reports waiting in one of its collectives, the coordinator moves them all to
+WAITING itself and forms the next generation at once; they hear of it in their heartbeat reply and
+need not join (not with replicated coordinators, whose members hear only of durable generations).
+That generation broke too, and healing reconciles whatever some of them committed of the step.
 
 Everything here is plain state and pure decisions, driven by an explicit ``now`` (the
 coordinator's ``time.monotonic()``); the coordinator does the I/O.
@@ -25,6 +30,7 @@ that died or left, and old generations, are forgotten after ``forget_after`` sec
 Member lifecycle::
 
     (new) --join--> WAITING --generation formed--> ACTIVE --join--> WAITING ...
+    ACTIVE --taken after a verdict (every survivor waits in a collective)--> WAITING
     WAITING/ACTIVE --exit reported / heartbeat timeout--> DEAD
     WAITING/ACTIVE --leave--> LEFT
     DEAD --join (a member that woke up)--> WAITING   (it must be healed: it is behind)
