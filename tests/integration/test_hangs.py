@@ -55,6 +55,10 @@ def test_a_stopped_worker_is_dropped_within_the_heartbeat_timeout_and_rejoins_wi
         assert first["members"] == 3
         verdicts = [e for e in run.events("verdict") if e["member"] == fault["member"]]
         assert verdicts and verdicts[0]["detected_by"] == "heartbeat"
+        # the survivors had said they wait in the allreduce: formed into the next generation by
+        # the reply to their heartbeat, none of them sent a join
+        after = [e for e in run.events("generation") if e["t"] >= verdicts[0]["t"]]
+        assert after and after[0].get("without_joining") == 3, after[:1]
         os.kill(fault["pid"], signal.SIGCONT)
     finally:
         out, err = finish(proc, run_dir)
