@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from unbroken.data_plan import DataPlan  # noqa: E402
-from unbroken.replica_groups import local_gradient_shards, local_state_shards, process_micro_batches  # noqa: E402
+from unbroken.replica_groups import local_gradient_shards, local_state_shards, process_micro_batches, sum_gradients  # noqa: E402
 
 GROUPS, GROUP_SIZE = 2, 2
 WORLD = GROUPS * GROUP_SIZE
@@ -90,10 +90,7 @@ def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)  # we weight the loss by len/G: no division anywhere
-            m.set_force_sum_reduction_for_comms(True)  # Gloo has no PREMUL_SUM/AVG (matters for fp32)
+    sum_gradients(model)  # we weight the loss by len/G: a plain sum, no division anywhere
     return model
 
 

@@ -179,6 +179,7 @@ __all__ = [
     "sharded_parameters",
     "sharding_fingerprint",
     "state_layout",
+    "sum_gradients",
 ]
 
 
@@ -296,6 +297,23 @@ def check_groups_match(groups: Mapping[str, GroupShape], expected: GroupShape | 
 
 
 # -- local shards of an FSDP2 module ---------------------------------------------------------------
+
+
+def sum_gradients(module: torch.nn.Module) -> torch.nn.Module:
+    """Make every FSDP2 unit of ``module`` sum its gradients over the group, never average them.
+
+    The loss is weighted by each micro-batch's share of the global batch (DESIGN step 4), so the
+    gradient of the mean loss is the plain *sum* over processes and groups: FSDP's division by the
+    group size must be off (``set_gradient_divide_factor(1.0)``, per unit, not recursive), and its
+    reduce-scatter must be a plain SUM (``set_force_sum_reduction_for_comms``: otherwise float32
+    and bfloat16 use PREMUL_SUM, which Gloo refuses). Call after ``fully_shard``; returns ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    return module
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

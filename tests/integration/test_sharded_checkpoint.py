@@ -76,9 +76,9 @@ def _worker(rank: int, world: int, groups: int, init: str, save: bool, ckpt: str
     (``save``, one group) or loads and trains MORE steps; writes its whole state to ``out``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    from unbroken.replica_groups import local_gradient_shards, process_micro_batches
+    from unbroken.replica_groups import local_gradient_shards, process_micro_batches, sum_gradients
     from unbroken.sharded_checkpoint import TrainingState, load_sharded, save_sharded
 
     torch.set_num_threads(1)
@@ -93,10 +93,7 @@ def _worker(rank: int, world: int, groups: int, init: str, save: bool, ckpt: str
             if isinstance(m, torch.nn.Linear):
                 fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)
+        sum_gradients(model)
         opt = _optimizer(model)
         state = {"train": TrainingState(model, opt)}
         x, y = _data()

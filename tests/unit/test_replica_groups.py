@@ -25,6 +25,7 @@ from unbroken.replica_groups import (
     sharded_parameters,
     sharding_fingerprint,
     state_layout,
+    sum_gradients,
 )
 
 torch.set_num_threads(1)
@@ -140,17 +141,14 @@ def one_rank_group(tmp_path_factory):
 
 
 def _sharded_model(mesh, seed: int = 0):
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6, dtype=torch.float64), torch.nn.Tanh(),
                                 torch.nn.Linear(6, 2, dtype=torch.float64), torch.nn.BatchNorm1d(2, dtype=torch.float64))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-    return model
+    return sum_gradients(model)
 
 
 def _train_once(model, opt):
