@@ -236,19 +236,26 @@ def test_a_group_of_another_size_is_refused_through_the_channel():
     assert "the sending group has 2 processes but the receiving group has 1" in str(received)
 
 
-def test_a_shard_corrupted_on_arrival_fails_verification_on_both_sides(monkeypatch):
+def test_a_shard_corrupted_on_the_way_fails_verification_on_both_sides_naming_the_tensor():
     live, live_opt, fresh, fresh_opt = _live_and_fresh()
-    original = group_healing._recv_tensors
 
-    def corrupting(channel, peer, shards, progress):
-        received = original(channel, peer, shards, progress)
-        next(iter(shards.values())).view(-1)[0] += 1.0
-        return received
+    def receive_through_a_faulty_link(channel):
+        recv = channel.recv
+        flipped = []
 
-    monkeypatch.setattr(group_healing, "_recv_tensors", corrupting)
+        def faulty(tensor, src, tag, what):
+            recv(tensor, src, tag, what)
+            if tag == group_healing.TAG_PACK and not flipped:  # one bit of the first pack of tensors
+                tensor.view(torch.uint8)[3] ^= 1
+                flipped.append(tag)
+
+        channel.recv = faulty
+        return recv_shard(channel, 0, fresh, fresh_opt, shard=0, group_size=1)
+
     sent, received = _run_ranks(lambda ch: send_shard(ch, 1, live, live_opt, shard=0, group_size=1),
-                                lambda ch: recv_shard(ch, 0, fresh, fresh_opt, shard=0, group_size=1))
+                                receive_through_a_faulty_link)
     assert isinstance(sent, ShardCorrupt) and isinstance(received, ShardCorrupt), (sent, received)
+    assert "['model/0.weight'] differ from the sender's" in str(received)
 
 
 def test_the_fan_out_schedule_drives_shard_healing_over_the_groups_ranks():
