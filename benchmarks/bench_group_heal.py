@@ -40,11 +40,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.common import save_results  # noqa: E402
+from benchmarks.common import exit_with_parent, run_spawned, save_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from unbroken.group import GenerationGroup  # noqa: E402
 
@@ -53,16 +52,6 @@ WIDTH = 2048
 TIMEOUT_S = 600.0
 MEASURES = ("heal", "raw_parallel", "raw_one_shard", "raw_group")
 
-
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def build(mb: float, mesh, live: bool):
@@ -84,7 +73,7 @@ def build(mb: float, mesh, live: bool):
 
 
 def worker(rank: int, port: int, mb: float, trials: int, warmup: int, out: str) -> None:
-    _exit_with_parent()
+    exit_with_parent()
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -153,25 +142,11 @@ def worker(rank: int, port: int, mb: float, trials: int, warmup: int, out: str) 
 
 def run(mb: float, trials: int, warmup: int) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as where:
         out = os.path.join(where, "result.json")
-        children = []
-        try:
-            for rank in range(2 * K):
-                child = context.Process(target=worker, args=(rank, store.port, mb, trials, warmup, out), daemon=True)
-                child.start()
-                children.append(child)
-            deadline = time.monotonic() + 1800
-            for child in children:
-                child.join(max(0.1, deadline - time.monotonic()))
-        finally:
-            for child in children:
-                if child.is_alive():
-                    child.kill()
-                    child.join()
+        codes = run_spawned(worker, [(rank, store.port, mb, trials, warmup, out) for rank in range(2 * K)])
         if not os.path.exists(out):
-            raise SystemExit(f"no result (exit codes {[child.exitcode for child in children]})")
+            raise SystemExit(f"no result (exit codes {codes})")
         with open(out) as f:
             return json.load(f)
 

@@ -36,11 +36,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.common import nbytes, save_results  # noqa: E402
+from benchmarks.common import exit_with_parent, nbytes, run_spawned, save_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from unbroken import healing  # noqa: E402
 from unbroken.group import GenerationGroup  # noqa: E402
@@ -61,19 +60,9 @@ def build(params: int):
     return model, optimizer
 
 
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True).start()
-
 
 def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
-    _exit_with_parent()
+    exit_with_parent()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     group = GenerationGroup(1, rank, 2, ["sender", "receiver"], lambda: None, threading.Event(), GROUP_TIMEOUT)
@@ -163,26 +152,11 @@ def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
 
 def run(params: int, trials: int) -> tuple[dict, dict]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as where:
         outs = [os.path.join(where, f"rank{rank}.json") for rank in (0, 1)]
-        children = []
-        try:
-            for rank in (0, 1):
-                child = context.Process(target=worker, args=(rank, store.port, params, trials, outs[rank]), daemon=True)
-                child.start()
-                children.append(child)
-            deadline = time.monotonic() + 1800
-            for child in children:
-                child.join(max(0.1, deadline - time.monotonic()))
-        finally:
-            for child in children:
-                if child.is_alive():
-                    child.kill()
-                    child.join()
+        codes = run_spawned(worker, [(rank, store.port, params, trials, outs[rank]) for rank in (0, 1)])
         missing = [rank for rank in (0, 1) if not os.path.exists(outs[rank])]
         if missing:
-            codes = [child.exitcode for child in children]
             raise SystemExit(f"rank(s) {missing} reported nothing (exit codes {codes})")
         with open(outs[0]) as f0, open(outs[1]) as f1:
             return json.load(f0), json.load(f1)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from typing import Any
+import threading
+import time
+from typing import Any, Callable
 
 import torch
 
@@ -31,3 +33,38 @@ def save_results(path: str, result: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def exit_with_parent() -> None:
+    """End this spawned worker if the benchmark that started it dies (no orphan left training)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def run_spawned(target: Callable[..., Any], args: list[tuple], limit: float = 1800.0) -> list[int | None]:
+    """Start one spawned process per entry of ``args``, wait for all within ``limit`` seconds,
+    kill whatever is left; returns their exit codes (None: killed)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    children = []
+    try:
+        for entry in args:
+            child = context.Process(target=target, args=entry, daemon=True)
+            child.start()
+            children.append(child)
+        deadline = time.monotonic() + limit
+        for child in children:
+            child.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.kill()
+                child.join()
+    return [child.exitcode for child in children]

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import exit_with_parent  # noqa: E402,F401  (for spawned test workers too)
+
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 EXACT = os.path.join(SCRIPTS, "train_exact.py")
 
@@ -191,3 +193,26 @@ def commits(run_dir: str, member: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "samples", f"{member}.jsonl")
     with open(path) as f:
         return [r for r in map(json.loads, f) if "commit" in r]
+
+
+
+def spawn_all(target, args: list[tuple], timeout: float, what: str = "processes") -> None:
+    """Run one spawned process per entry of ``args``; fail unless all exit 0 within ``timeout``
+    seconds; kill whatever is left, pass or fail."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=target, args=entry, daemon=True) for entry in args]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * len(procs), f"{what}: exit codes {codes} (None: still running after {timeout} s)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)

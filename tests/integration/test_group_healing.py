@@ -7,15 +7,14 @@ A group of another size or with another model is refused, and nothing of it is w
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.integration import harness
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +23,6 @@ TRAINED = 3
 RUN_TIMEOUT_S = 60.0
 CHANNEL_TIMEOUT_S = 20.0
 
-
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def _sharded_model(mesh, hidden: int, seed: int) -> torch.nn.Module:
@@ -67,7 +56,7 @@ def _train(model, opt, sched, step: int, process: int, size: int) -> None:
 def _worker(role: str, group: int, size: int, process: int, port: int, hidden: int, seed: int, out: str, timeout: float) -> None:
     """Process ``process`` of group ``group`` (its own Gloo world of ``size``): trains TRAINED steps
     if it sends, then heals or is healed, then takes one more step; writes what it held to ``out``."""
-    _exit_with_parent()
+    harness.exit_with_parent()
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -114,22 +103,8 @@ def _run(tmp: Path, groups: list[tuple[str, int, int, int]], timeout: float = CH
     """Start every process of ``groups`` (role, size, hidden, seed; group g is index g); wait for
     all within RUN_TIMEOUT_S; kill whatever is left. Returns the reports by (group, process)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(role, g, size, j, store.port, hidden, seed, str(tmp), timeout), daemon=True)
-             for g, (role, size, hidden, seed) in enumerate(groups) for j in range(size)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        codes = [p.exitcode for p in procs]
-        assert codes == [0] * len(procs), f"exit codes {codes} (None: still running after {RUN_TIMEOUT_S} s)"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    args = [(role, g, size, j, store.port, hidden, seed, str(tmp), timeout) for g, (role, size, hidden, seed) in enumerate(groups) for j in range(size)]
+    harness.spawn_all(_worker, args, RUN_TIMEOUT_S)
     return {(g, j): torch.load(tmp / f"g{g}p{j}.pt", weights_only=False)
             for g, (_, size, _, _) in enumerate(groups) for j in range(size)}
 

@@ -5,14 +5,13 @@ one process computes for the same 5 steps."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.integration import harness
 from unbroken.data_plan import DataPlan
 
 pytestmark = pytest.mark.slow
@@ -130,22 +129,9 @@ def _run(tmp: Path, phase: str, world: int, groups: int, ckpt: str) -> list[dict
     """Start ``world`` processes; wait for all within PHASE_TIMEOUT_S; kill whatever is left."""
     out = tmp / phase
     out.mkdir()
-    ctx = multiprocessing.get_context("spawn")
     init = f"file://{tmp / (phase + '.store')}"
-    procs = [ctx.Process(target=_worker, args=(r, world, groups, init, phase == "save", ckpt, str(out)), daemon=True) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + PHASE_TIMEOUT_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        codes = [p.exitcode for p in procs]
-        assert codes == [0] * world, f"{phase}: exit codes {codes} (None: still running after {PHASE_TIMEOUT_S} s)"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    args = [(r, world, groups, init, phase == "save", ckpt, str(out)) for r in range(world)]
+    harness.spawn_all(_worker, args, PHASE_TIMEOUT_S, phase)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
