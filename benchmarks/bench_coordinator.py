@@ -177,7 +177,8 @@ class Member:
             if view == self.view and sim.measuring:
                 sim.lateness.append(now - sent - hold)
             hold = sim.interval
-            if view != self.view:
+            changed = view != self.view
+            if changed:
                 hold = sim.interval * random.uniform(*sim.news_hold)  # as the worker's heartbeat thread does
             self.view = view
             generation = view.get("generation", 0)
@@ -188,6 +189,9 @@ class Member:
                 self.rejoin.clear()
             elif generation == self.generation and (view.get("broken") or view.get("reconfigure")):
                 self.rejoin.set()
+            if changed and (view.get("broken") or view.get("reconfigure")):  # as the worker's heartbeat thread does
+                await asyncio.sleep(hold)
+                hold = sim.interval
 
     async def _joins(self) -> None:
         sim = self.sim

