@@ -23,9 +23,14 @@ not integrate them (the design note at the end of this docstring has the finding
 (Kept here rather than in ``docs/``: the site is built with ``mkdocs build --strict``, which
 refuses a page that is not in the navigation.)
 
-Status: spike. Building blocks in this module (unit tests in
-`tests/unit/test_replica_groups.py`), a standalone proof in `examples/hsdp_reference.py`. Nothing
-of the runtime uses them yet. All figures: torch 2.13.0+cpu, Gloo, this 2-core shared machine.
+Status: building blocks, not yet used by the runtime. In this module (unit tests in
+`tests/unit/test_replica_groups.py`) and three more, each with its tests:
+:mod:`unbroken.sharded_checkpoint` (one DCP shard per process, published by a manifest; a resume
+may change the number of groups and the group size), :mod:`unbroken.group_healing` (shard by
+shard, K transfers in parallel, a mismatched group refused before anything is written;
+`benchmarks/bench_group_heal.py`) and :mod:`unbroken.group_relay` (process 0 relays generations
+and views to its peers; any silent process fails the whole group). A standalone proof in
+`examples/hsdp_reference.py`. All figures: torch 2.13.0+cpu, Gloo, this 2-core shared machine.
 
 ### What was found
 
