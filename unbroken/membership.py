@@ -57,6 +57,12 @@ from unbroken.member_records import (  # noqa: F401  (re-exported: the records a
 
 
 
+def _counts_blocked(member: Member) -> int:
+    """1 if ``member`` counts in :attr:`Membership._blocked_active` (ACTIVE, waiting in a
+    collective), else 0: every change of its state or wait adds the difference."""
+    return int(member.state is MemberState.ACTIVE and bool(member.blocked_on))
+
+
 @dataclass
 class Membership(Liveness):
     """The coordinator's state. Every mutating method returns True when the state changed.
@@ -107,8 +113,7 @@ class Membership(Liveness):
         """Survivors taken as waiting by :meth:`take_survivors`, until the next formation."""
         for member in self.members.values():
             self._counts[member.state] += 1
-            if member.state is MemberState.ACTIVE and member.blocked_on:
-                self._blocked_active += 1
+            self._blocked_active += _counts_blocked(member)
             self._max_step = max(self._max_step, member.step)
             if member.state.value in _LIVE:
                 self._arm(member)
@@ -118,13 +123,11 @@ class Membership(Liveness):
     def _enter(self, member: Member, state: MemberState, now: float) -> None:
         """Move ``member`` to ``state``, keeping every count and index in step."""
         was_live = member.state.value in _LIVE
-        if member.state is MemberState.ACTIVE and member.blocked_on:
-            self._blocked_active -= 1
-        elif state is MemberState.ACTIVE and member.blocked_on:
-            self._blocked_active += 1
+        self._blocked_active -= _counts_blocked(member)
         self._counts[member.state] -= 1
         self._counts[state] += 1
         member.state = state
+        self._blocked_active += _counts_blocked(member)
         self.changed_members.add(member.id)
         self.version += 1
         if state.value in _LIVE:
@@ -138,8 +141,7 @@ class Membership(Liveness):
     def _add(self, member: Member) -> None:
         self.members[member.id] = member
         self._counts[member.state] += 1
-        if member.state is MemberState.ACTIVE and member.blocked_on:
-            self._blocked_active += 1
+        self._blocked_active += _counts_blocked(member)
         self.changed_members.add(member.id)
         self.version += 1
         if member.state.value in _LIVE:
@@ -225,9 +227,9 @@ class Membership(Liveness):
                 member.step = max(member.step, step)
                 self._max_step = max(self._max_step, step)
             if blocked_on != member.blocked_on:
-                if member.state is MemberState.ACTIVE and bool(blocked_on) != bool(member.blocked_on):
-                    self._blocked_active += 1 if blocked_on else -1
+                self._blocked_active -= _counts_blocked(member)
                 member.blocked_on = blocked_on
+                self._blocked_active += _counts_blocked(member)
                 member.blocked_since = now if blocked_on else None
                 if blocked_on:
                     self._note_wait(now, member_id, "blocked")
