@@ -43,6 +43,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _add_run_workers(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
     """The worker slots of this node and their restart budget; where the run goes."""
     _flag(p, "--nproc-per-node", type=str, default="1", help="worker processes on this node (default 1)")
+    _flag(p, "--group-size", type=str, default="1",
+          help="processes per replica group (FSDP shards of one replica; one member of the job); --nproc-per-node must"
+          " be a multiple of it (default 1)")
     _flag(p, "--max-restarts", type=int, default=d["max_restarts"].default,
           help="restarts per worker slot within --restart-window; one failure more quarantines the slot (default %(default)s)")
     _flag(p, "--restart-window", type=float, default=d["restart_window"].default,
@@ -96,7 +99,7 @@ def _add_run_supervision(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
     _flag(p, "--shutdown-grace", type=float, default=d["shutdown_grace"].default,
           help="seconds between SIGTERM and SIGKILL at shutdown; once the job finished, how long a worker that has not"
           " left the training loop gets before SIGKILL (default %(default)s)")
-    _flag(p, "--tee", type=int, default=None, help="show this local rank's output on the console (default: lowest alive)")
+    _flag(p, "--tee", type=int, default=None, help="show this slot's output on the console: a local rank, or with --group-size a replica group's process 0 (default: lowest alive)")
     _flag(p, "--progress-interval", type=float, default=d["progress_interval"].default,
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
@@ -140,7 +143,8 @@ def _every(text: str | None) -> int | str | None:
 
 
 def _nnodes(text: str, nproc: int) -> tuple[int, int | None]:
-    """torchrun's ``--nnodes N`` or ``MIN:MAX`` as member counts."""
+    """torchrun's ``--nnodes N`` or ``MIN:MAX`` as member counts; ``nproc`` is the members of one
+    node (its slots: processes per node over ``--group-size``)."""
     low, sep, high = text.partition(":")
     try:
         lo = int(low)
@@ -154,18 +158,22 @@ def _nnodes(text: str, nproc: int) -> tuple[int, int | None]:
 
 def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "LaunchSettings":
     """The launcher's settings from the flags, completed from SLURM's environment under srun."""
-    from unbroken.launch_settings import LaunchSettings
+    from unbroken.launch_settings import LaunchSettings, check_group_size
     from unbroken.placement import placement
 
     nproc = _positive_int("--nproc-per-node", args.nproc_per_node)
+    group_size = _positive_int("--group-size", args.group_size)
+    check_group_size(nproc, group_size)
+    members = nproc // group_size  # the coordinator counts replica groups, not processes
     min_members, max_members = args.min_members, args.max_members
     if args.nnodes:
-        min_members, max_members = _nnodes(args.nnodes, nproc)
-    place = placement(args, env, nproc)
+        min_members, max_members = _nnodes(args.nnodes, members)
+    place = placement(args, env, members)
     return LaunchSettings(
         script=args.script,
         script_args=tuple(args.script_args),
         nproc_per_node=nproc,
+        group_size=group_size,
         max_restarts=args.max_restarts,
         restart_window=args.restart_window,
         quarantine_cooloff=args.quarantine_cooloff,

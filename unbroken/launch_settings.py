@@ -19,6 +19,17 @@ from unbroken.restarts import RestartPolicy
 log = logging.getLogger("unbroken.launcher")  # moved out of the launcher; its messages keep their logger
 
 
+def check_group_size(nproc_per_node: int, group_size: int) -> None:
+    """Refuse a ``--group-size`` that is not a positive integer or does not divide ``--nproc-per-node``."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError(f"--group-size must be a positive integer, got {group_size!r}")
+    if nproc_per_node % group_size:
+        raise ConfigError(
+            f"--nproc-per-node {nproc_per_node} is not a multiple of --group-size {group_size}: a replica group is"
+            " --group-size processes of one node, so a node runs whole groups only"
+        )
+
+
 @dataclass(frozen=True)
 class LaunchSettings:
     """Everything ``unbroken run`` needs; the CLI flags map one to one onto these fields."""
@@ -27,6 +38,10 @@ class LaunchSettings:
     script_args: tuple[str, ...] = ()
     nproc_per_node: int = 1
     """Worker processes on this node."""
+    group_size: int = 1
+    """Processes per replica group: K consecutive local ranks that shard one model replica (FSDP)
+    and are one member for the coordinator. The node runs ``nproc_per_node // group_size`` slots;
+    ``nproc_per_node`` must be a multiple of it. 1: every process is a member of its own."""
     max_restarts: int = 5
     """Restarts allowed per worker slot within ``restart_window``; one failure more quarantines it."""
     restart_window: float = 300.0
@@ -83,7 +98,8 @@ class LaunchSettings:
     """Seconds workers get to exit after SIGTERM before SIGKILL; and, once the job finished, how
     long a worker that has not left ``job.steps()`` gets before SIGKILL."""
     tee: int | None = None
-    """Local rank whose output the console shows (default: the lowest one alive)."""
+    """Slot whose output the console shows (default: the lowest one alive); with ``group_size``
+    1 a slot is a local rank, else a replica group (the console shows its process 0)."""
     progress_interval: float = 10.0
     """Seconds between plain progress lines when the output is not a terminal (a terminal gets a
     live progress bar); 0 turns both off."""
@@ -113,6 +129,7 @@ class LaunchSettings:
     def __post_init__(self) -> None:
         if isinstance(self.nproc_per_node, bool) or not isinstance(self.nproc_per_node, int) or self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be a positive integer, got {self.nproc_per_node!r}")
+        check_group_size(self.nproc_per_node, self.group_size)
         self.restart_policy()  # validates
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise ConfigError("need 0 < --heartbeat-interval < --heartbeat-timeout")
@@ -133,8 +150,9 @@ class LaunchSettings:
         for name in ("restart_backoff", "max_restart_backoff", "shutdown_grace", "quorum_timeout", "start_grace", "progress_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
-        if self.tee is not None and not 0 <= self.tee < self.nproc_per_node:
-            raise ConfigError(f"--tee must name a local rank in 0..{self.nproc_per_node - 1}, got {self.tee}")
+        if self.tee is not None and not 0 <= self.tee < self.slots:
+            what = "local rank" if self.group_size == 1 else "slot (replica group)"
+            raise ConfigError(f"--tee must name a {what} in 0..{self.slots - 1}, got {self.tee}")
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script not found: {self.script!r}")
         from unbroken.devices import check_backend_available
@@ -156,6 +174,11 @@ class LaunchSettings:
                     "--leader-lease %.1f s is well above --heartbeat-timeout %.1f s: losing the leading coordinator"
                     " will stall training longer than losing a worker", self.leader_lease, self.heartbeat_timeout,
                 )
+
+    @property
+    def slots(self) -> int:
+        """Worker slots of this node: one per replica group, each one member of the job."""
+        return self.nproc_per_node // self.group_size
 
     def restart_policy(self) -> RestartPolicy:
         return RestartPolicy(

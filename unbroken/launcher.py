@@ -8,6 +8,10 @@ SIGTERM as a clean shutdown, and writes each worker's output to
 ``<run dir>/workers/w<local rank>.log``. The console shows one worker's output (the lowest local
 rank alive, or the one chosen with ``--tee``), prefixed with its name.
 
+With ``--group-size`` K > 1 a slot is a replica group of K processes (one member of the job) and
+shares one fate: the first of them to fail ends all K, and the slot exits, is restarted or
+quarantined as one, with that process's status (see :mod:`unbroken.workers`).
+
 Worker (slot) lifecycle::
 
     RUNNING --exit 0--> SUCCEEDED
@@ -66,7 +70,9 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         os.makedirs(os.path.join(self.run_dir, "workers"), exist_ok=True)
         self.events = EventLog.for_run_dir(self.run_dir, f"launcher:{settings.node}")
         policy = settings.restart_policy()
-        self.workers = [Worker(i, SlotBudget(policy)) for i in range(settings.nproc_per_node)]
+        # one slot per replica group (--group-size processes; a lone process when it is 1): the
+        # coordinator's member, restarted, quarantined and counted as one
+        self.workers = [Worker(i, SlotBudget(policy)) for i in range(settings.slots)]
         self.coordinator: Any = None
         self.address = settings.coordinator
         import secrets
@@ -84,7 +90,7 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
                 " reaches it can end the job; set UNBROKEN_TOKEN to the same secret on every node",
                 flush=True,
             )
-        self._exits: queue.Queue[tuple[Worker, subprocess.Popen, int]] = queue.Queue()
+        self._exits: queue.Queue[tuple[Worker, subprocess.Popen, int, int]] = queue.Queue()
         self._stop_signal: int | None = None
         self._console_lock = threading.Lock()
         self._error_exits: dict[int, int] = {}
@@ -136,11 +142,11 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
                 self.reason = f"stopped by {signal.Signals(self._stop_signal).name}"
                 return 130 if self._stop_signal == signal.SIGINT else 143
             try:
-                worker, proc, code = self._exits.get(timeout=0.05)
+                worker, proc, code, failed = self._exits.get(timeout=0.05)
             except queue.Empty:
                 worker = None
             if worker is not None:
-                verdict = self._on_exit(worker, proc, code)
+                verdict = self._on_exit(worker, proc, code, failed)
                 if verdict is not None:
                     return verdict
             now = time.monotonic()
@@ -223,12 +229,20 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         except UnbrokenError:
             return False
 
-    def _on_exit(self, worker: Worker, proc: subprocess.Popen, code: int) -> int | None:
+    def _on_exit(self, worker: Worker, proc: subprocess.Popen, code: int, failed: int = 0) -> int | None:
+        """A slot's process (or replica group: ``failed`` is the index of the process whose exit
+        ended it) exited with ``code``."""
         if proc is not worker.proc:
             return None
         how = _describe_exit(code)
-        worker.exits.append({"member": worker.member_id, "code": code, "how": how, "t": time.time()})
-        self.events.emit("worker_exit", member=worker.member_id, local_rank=worker.local_rank, code=code, how=how)
+        k = self.settings.group_size
+        extra: dict[str, Any] = {}
+        if k > 1:
+            extra = {"process": failed}
+            if code != 0:
+                how = f"process {failed} of {k}: {how}"
+        worker.exits.append({"member": worker.member_id, "code": code, "how": how, "t": time.time(), **extra})
+        self.events.emit("worker_exit", member=worker.member_id, local_rank=worker.local_rank, code=code, how=how, **extra)
         if self._stop_signal is not None or worker.state is WorkerState.STOPPED:
             worker.state = WorkerState.STOPPED
             return None

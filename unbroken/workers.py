@@ -38,13 +38,19 @@ class WorkerState(enum.Enum):
 
 @dataclass
 class Worker:
-    """One slot (local rank) and its current process."""
+    """One slot and its current process (or processes): a local rank, or with ``--group-size`` K
+    a replica group of K processes, local ranks ``slot*K`` to ``slot*K + K - 1``. ``local_rank``
+    is the slot's index."""
 
     local_rank: int
     budget: SlotBudget
     state: WorkerState = WorkerState.RUNNING
     restarts: int = 0
     proc: subprocess.Popen | None = None
+    """The current process, or with ``--group-size`` K > 1 the replica group's process 0 (its
+    pid is the process group of all K)."""
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    """Every process of the current incarnation: ``[proc]``, or the group's K in order."""
     member_id: str = ""
     started_at: float = 0.0
     restart_at: float = 0.0
@@ -80,11 +86,13 @@ class WorkerProcesses:
     client: Any
     events: EventLog
     workers: list[Worker]
-    _exits: queue.Queue[tuple[Worker, subprocess.Popen, int]]
+    _exits: queue.Queue[tuple[Worker, subprocess.Popen, int, int]]
+    """(slot, its process 0, exit status, which process of the group failed: 0 for a lone worker)"""
     _console_lock: threading.Lock
 
     def _spawn(self, worker: Worker) -> None:
         s = self.settings
+        k = s.group_size
         worker.member_id = f"{s.node}.w{worker.local_rank}.r{worker.restarts}"
         env = dict(os.environ)
         env.update(
@@ -93,7 +101,7 @@ class WorkerProcesses:
                 "UNBROKEN_COORDINATOR": ",".join(f"{h}:{p}" for h, p in self.client.addresses),
                 "UNBROKEN_TOKEN": self.token or "",
                 "UNBROKEN_LAUNCHER_PID": str(os.getpid()),
-                "UNBROKEN_MEMBER_ID": worker.member_id,
+                "UNBROKEN_MEMBER_ID": worker.member_id,  # the same for every process of a replica group
                 "UNBROKEN_NODE": s.node,
                 "UNBROKEN_RUN_DIR": self.run_dir,
                 "UNBROKEN_RESTART_COUNT": str(worker.restarts),
@@ -102,10 +110,10 @@ class WorkerProcesses:
                 # The lease ends one heartbeat interval before the coordinator's deadline, so that a
                 # member cut off from the coordinator stops committing before it is declared dead.
                 "UNBROKEN_LEASE": str(s.heartbeat_timeout - s.heartbeat_interval),
+                "UNBROKEN_GROUP_SIZE": str(k),
                 # as torchrun: the worker picks cuda:LOCAL_RANK (unbroken.devices.local_device());
                 # CUDA_VISIBLE_DEVICES is passed on as it is, never narrowed per worker
-                "LOCAL_RANK": str(worker.local_rank),
-                "LOCAL_WORLD_SIZE": str(len(self.workers)),
+                "LOCAL_WORLD_SIZE": str(s.nproc_per_node),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -120,45 +128,112 @@ class WorkerProcesses:
             env["UNBROKEN_CHECKPOINT_KEEP"] = str(s.checkpoint_keep)
             if s.checkpoint_every is not None:
                 env["UNBROKEN_CHECKPOINT_EVERY"] = str(s.checkpoint_every)
+        if k > 1:
+            # The group's own rendezvous: a store of this launcher's, under a prefix that names this
+            # incarnation of the group, so that a restarted group never reads a dead one's keys.
+            env["UNBROKEN_GROUP_STORE"] = self._group_store_address()
+            env["UNBROKEN_GROUP_PREFIX"] = f"unbroken/group/{s.node}.w{worker.local_rank}/{worker.restarts}/"
+            env["UNBROKEN_GROUP_TIMEOUT"] = str(s.heartbeat_timeout)
         log_path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")
         logfile = open(log_path, "ab", buffering=0)
         logfile.write(f"===== {worker.member_id} starting =====\n".encode())
-        proc = subprocess.Popen(
-            [sys.executable, s.script, *s.script_args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        worker.proc = proc
+        procs: list[subprocess.Popen] = []
+        logfiles = [logfile] + [open(log_path, "ab", buffering=0) for _ in range(k - 1)]
+        try:
+            for j in range(k):
+                env_j = {**env, "UNBROKEN_RANK_IN_GROUP": str(j), "LOCAL_RANK": str(worker.local_rank * k + j)}
+                # One process group for the K processes of a replica group, so that one killpg ends
+                # them all (with whatever they started). A lone worker has a session of its own; the
+                # processes of a group cannot (a process joins only a process group of its own
+                # session), so process 0 leads a new process group in the launcher's session.
+                group = {"start_new_session": True} if k == 1 else {"process_group": procs[0].pid if j else 0}
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, s.script, *s.script_args],
+                        env=env_j,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        **group,
+                    )
+                )
+        except BaseException:
+            if procs:
+                _signal_group(procs[0], signal.SIGKILL)
+            for p in procs:
+                p.wait()
+            for f in logfiles:
+                f.close()
+            raise
+        worker.proc = procs[0]
+        worker.procs = procs
         worker.state = WorkerState.RUNNING
         worker.left = False
         worker.started_at = time.monotonic()
-        self.events.emit("worker_start", member=worker.member_id, local_rank=worker.local_rank, pid=proc.pid, restart=worker.restarts)
+        extra: dict[str, Any] = {"pids": [p.pid for p in procs]} if k > 1 else {}
+        self.events.emit(
+            "worker_start", member=worker.member_id, local_rank=worker.local_rank, pid=procs[0].pid, restart=worker.restarts, **extra
+        )
         if worker.restarts:
             self.events.emit("restart", member=worker.member_id, local_rank=worker.local_rank, restart=worker.restarts)
-        pump = threading.Thread(target=self._pump, args=(worker, proc, logfile), daemon=True)
-        pump.start()
-        threading.Thread(target=self._reap, args=(worker, proc, pump), daemon=True).start()
+        pumps = []
+        for j, (proc, f) in enumerate(zip(procs, logfiles)):
+            pumps.append(threading.Thread(target=self._pump, args=(worker, proc, f, j), daemon=True))
+            pumps[-1].start()
+        threading.Thread(target=self._reap, args=(worker, procs, pumps), daemon=True).start()
 
-    def _reap(self, worker: Worker, proc: subprocess.Popen, pump: threading.Thread) -> None:
-        """Report a worker's exit the moment it happens, and end what it left running.
+    def _group_store_address(self) -> str:
+        """``host:port`` of the store the replica groups of this launcher meet in (started once,
+        the first time a group starts; it lives as long as the launcher)."""
+        store = getattr(self, "_group_store", None)
+        if store is None:
+            import torch.distributed as dist
+
+            store = self._group_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return f"127.0.0.1:{store.port}"
+
+    def _reap(self, worker: Worker, procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> None:
+        """Report a worker's (or replica group's) exit the moment it happens, and end what it left running.
 
         The exit is taken from the process itself, not from the end of its output: a child the
         worker started may hold the output pipe open long after the worker died. Its process
-        group is killed right away (the group id cannot be reused while any member lives)."""
-        code = proc.wait()
-        _signal_group(proc, signal.SIGKILL)
-        pump.join(timeout=2.0)  # its last lines (a traceback) belong in the log before the verdict
-        self._exits.put((worker, proc, code))
+        group is killed right away (the group id cannot be reused while any member lives).
 
-    def _pump(self, worker: Worker, proc: subprocess.Popen, logfile: IO[bytes]) -> None:
-        """Copy a worker's output to its log (and the console) until the pipe closes."""
+        A replica group shares one fate: the first of its processes to exit with an error (or by
+        a signal) ends all K at once, and its status is the group's; a process that exits 0
+        waits for the others, and the group exits 0 once all K did."""
+        if len(procs) == 1:
+            code, failed = procs[0].wait(), 0
+        else:
+            code, failed = self._wait_group(procs)
+        _signal_group(procs[0], signal.SIGKILL)
+        for pump in pumps:
+            pump.join(timeout=2.0)  # its last lines (a traceback) belong in the log before the verdict
+        self._exits.put((worker, procs[0], code, failed))
+
+    @staticmethod
+    def _wait_group(procs: list[subprocess.Popen]) -> tuple[int, int]:
+        """Wait for every process of a group; return the first failure (status, index in the
+        group), or (0, 0) if all K exited 0. The first failure kills the whole process group."""
+        done: queue.Queue[tuple[int, int]] = queue.Queue()
+        for j, p in enumerate(procs):
+            threading.Thread(target=lambda j=j, p=p: done.put((j, p.wait())), daemon=True).start()
+        first: tuple[int, int] | None = None
+        for _ in procs:
+            j, code = done.get()
+            if code != 0 and first is None:
+                first = (code, j)
+                _signal_group(procs[0], signal.SIGKILL)
+        return first or (0, 0)
+
+    def _pump(self, worker: Worker, proc: subprocess.Popen, logfile: IO[bytes], index: int = 0) -> None:
+        """Copy a worker's output to its log (and the console) until the pipe closes. The lines of
+        a replica group's process j > 0 go to the slot's log prefixed ``[pj] ``, never to the console."""
         assert proc.stdout is not None
+        prefix = f"[p{index}] ".encode() if index else b""
         for line in iter(proc.stdout.readline, b""):
-            logfile.write(line)
-            if self._console_rank() == worker.local_rank:
+            logfile.write(prefix + line)
+            if not index and self._console_rank() == worker.local_rank:
                 with self._console_lock:
                     sys.stdout.write(f"[w{worker.local_rank}] {line.decode(errors='replace')}")
                     sys.stdout.flush()
@@ -183,23 +258,26 @@ class WorkerProcesses:
         return ("; its log ends with: " + " | ".join(t.strip() for t in tail)) if tail else ""
 
     def _shutdown(self) -> None:
-        """Stop every worker still running: SIGTERM, then SIGKILL after the grace period."""
-        running = []
+        """Stop every worker still running: SIGTERM, then SIGKILL after the grace period (to the
+        process group: every process of a replica group)."""
+        running: list[Worker] = []
         for w in self.workers:
-            if w.proc is not None and w.proc.poll() is None:
-                running.append(w.proc)
+            if w.proc is not None and any(p.poll() is None for p in w.procs or [w.proc]):
+                running.append(w)
                 w.state = WorkerState.STOPPED
             elif w.state in (WorkerState.RUNNING, WorkerState.BACKOFF, WorkerState.QUARANTINED):
                 w.state = WorkerState.STOPPED
-        for proc in running:
-            _signal_group(proc, signal.SIGTERM)
+        for w in running:
+            _signal_group(w.proc, signal.SIGTERM)
         deadline = time.monotonic() + self.settings.shutdown_grace
-        for proc in running:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in running:
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-            _signal_group(proc, signal.SIGKILL)  # children the worker started die with it
+        for w in running:
+            for proc in w.procs or [w.proc]:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for w in running:
+            _signal_group(w.proc, signal.SIGKILL)
+            for proc in w.procs or [w.proc]:
+                proc.wait()
+            _signal_group(w.proc, signal.SIGKILL)  # children the worker started die with it

@@ -15,6 +15,7 @@ from unbroken.launcher import LaunchSettings
 RUN_FLAGS = [
     ["-h", "--help"],
     ["--nproc-per-node", "--nproc_per_node"],
+    ["--group-size", "--group_size"],
     ["--max-restarts", "--max_restarts"],
     ["--restart-window", "--restart_window"],
     ["--quarantine-cooloff", "--quarantine_cooloff"],
@@ -93,7 +94,7 @@ def test_run_defaults_come_from_the_launch_settings():
         "heartbeat_timeout", "collective_timeout", "restart_backoff", "max_restart_backoff", "shutdown_grace",
     ):
         assert getattr(args, name) == fields[name].default, name
-    assert args.nproc_per_node == "1"
+    assert args.nproc_per_node == "1" and args.group_size == "1"
     assert args.coordinator_host is None  # 127.0.0.1 alone, 0.0.0.0 with --etcd or --ha (launch_settings)
     assert (args.run_dir, args.coordinator, args.node_name, args.tee, args.chaos, args.record_samples) == (None, None, None, None, None, False)
     assert (args.script, args.script_args) == ("train.py", [])
@@ -155,6 +156,8 @@ def test_a_missing_training_script_exits_2_naming_it(capsys, tmp_path):
         (["--heartbeat-interval", "6"], "need 0 < --heartbeat-interval < --heartbeat-timeout"),
         (["--heartbeat-timeout", "40"], "need --heartbeat-timeout < --collective-timeout"),
         (["--nproc-per-node", "2", "--tee", "2"], "--tee must name a local rank in 0..1"),
+        (["--nproc-per-node", "3", "--group-size", "2"], "--nproc-per-node 3 is not a multiple of --group-size 2: "),
+        (["--nproc-per-node", "8", "--group-size", "4", "--tee", "2"], "--tee must name a slot (replica group) in 0..1, got 2"),
         (["--chaos", "kill@nowhere"], "bad fault 'kill@nowhere'"),
     ],
 )
@@ -225,3 +228,35 @@ def test_the_scripts_own_flags_are_never_taken_for_abbreviations_of_ours(script)
     # refuse it as ambiguous although it follows the script
     args = build_parser().parse_args(["run", "--heartbeat-timeout", "3", script, "--warmup", "20", "--heart", "1"])
     assert args.script_args == ["--warmup", "20", "--heart", "1"] and args.heartbeat_timeout == 3
+
+
+@pytest.mark.parametrize("value, shown", [("0", "got 0"), ("-1", "got -1"), ("two", "got 'two'")])
+def test_a_bad_group_size_exits_2_with_a_clear_message(capsys, value, shown):
+    assert main(["run", "--nproc-per-node", "4", "--group-size", value, "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--group-size must be a positive integer" in err and shown in err
+
+
+def test_group_size_becomes_the_launch_settings_and_the_default_is_one(launched, script):
+    assert main(["run", "--nproc-per-node", "8", "--group_size", "4", "--tee", "1", script]) == 0
+    s = launched["settings"]
+    assert (s.nproc_per_node, s.group_size, s.slots, s.tee) == (8, 4, 2, 1)
+    assert main(["run", "--nproc-per-node", "3", script]) == 0
+    assert (launched["settings"].group_size, launched["settings"].slots) == (1, 3)
+
+
+def test_nnodes_counts_replica_groups_not_processes(launched, script):
+    # 2..3 nodes of 8 processes in groups of 4: 2 members per node
+    assert main(["run", "--nproc-per-node", "8", "--group-size", "4", "--nnodes", "2:3", script]) == 0
+    s = launched["settings"]
+    assert (s.min_members, s.max_members) == (4, 6)
+    assert main(["run", "--nproc-per-node", "8", "--nnodes", "2:3", script]) == 0
+    assert (launched["settings"].min_members, launched["settings"].max_members) == (16, 24)
+
+
+def test_under_srun_the_expected_members_count_replica_groups(script):
+    from unbroken.cli import launch_settings
+
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu01"}
+    args = build_parser().parse_args(["run", "--nproc-per-node", "4", "--group-size", "2", script])
+    assert launch_settings(args, env).expected_members == 6  # 3 nodes x 2 groups

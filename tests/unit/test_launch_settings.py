@@ -24,6 +24,7 @@ def test_defaults_are_valid_and_documented_values(script):
     assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout, s.shutdown_grace) == (0.5, 3.0, 30.0, 5.0)
     assert (s.coordinator, s.coordinator_host, s.coordinator_port, s.run_dir, s.tee, s.chaos) == (None, "127.0.0.1", 0, None, None, None)
     assert s.script_args == () and s.record_samples is False
+    assert (s.group_size, s.slots) == (1, 1)
     assert isinstance(s.node, str) and s.node
 
 
@@ -121,3 +122,34 @@ def test_a_bad_chaos_schedule_is_refused_at_launch(script):
 def test_the_process_count_is_checked_before_the_script(tmp_path):
     with pytest.raises(ConfigError, match="--nproc-per-node"):
         LaunchSettings(script=str(tmp_path / "missing.py"), nproc_per_node=0)
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, "2", 2.0, None])
+def test_a_bad_group_size_is_refused(script, bad):
+    with pytest.raises(ConfigError, match="--group-size must be a positive integer"):
+        LaunchSettings(script=script, nproc_per_node=4, group_size=bad)
+
+
+@pytest.mark.parametrize("nproc, k", [(3, 2), (4, 3), (1, 2), (6, 4)])
+def test_the_process_count_must_be_a_multiple_of_the_group_size(script, nproc, k):
+    with pytest.raises(ConfigError, match=f"--nproc-per-node {nproc} is not a multiple of --group-size {k}: "):
+        LaunchSettings(script=script, nproc_per_node=nproc, group_size=k)
+
+
+@pytest.mark.parametrize("nproc, k, slots", [(1, 1, 1), (4, 1, 4), (4, 2, 2), (8, 8, 1), (8, 4, 2), (6, 3, 2)])
+def test_a_node_runs_one_slot_per_replica_group(script, nproc, k, slots):
+    s = LaunchSettings(script=script, nproc_per_node=nproc, group_size=k)
+    assert (s.nproc_per_node, s.group_size, s.slots) == (nproc, k, slots)
+
+
+def test_with_groups_tee_names_a_slot_not_a_process(script):
+    assert LaunchSettings(script=script, nproc_per_node=4, group_size=2, tee=1).tee == 1
+    with pytest.raises(ConfigError, match=r"--tee must name a slot \(replica group\) in 0\.\.1, got 2"):
+        LaunchSettings(script=script, nproc_per_node=4, group_size=2, tee=2)
+
+
+def test_the_launcher_has_one_worker_slot_per_group(script, tmp_path):
+    from unbroken.launcher import Launcher
+
+    launcher = Launcher(LaunchSettings(script=script, nproc_per_node=6, group_size=3, run_dir=str(tmp_path / "run")))
+    assert [w.local_rank for w in launcher.workers] == [0, 1]
