@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Job", "Step", "RuntimeSettings", "sample_rng", "sample_seed", "__version__"]
+__all__ = ["Job", "Step", "RuntimeSettings", "group_mesh", "sample_rng", "sample_seed", "__version__"]
 
 if TYPE_CHECKING:
+    from unbroken.group_member import group_mesh
     from unbroken.loader import sample_rng, sample_seed
     from unbroken.runtime import Job, RuntimeSettings, Step
 
@@ -20,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from unbroken import runtime
 
         return getattr(runtime, name)
+    if name == "group_mesh":
+        from unbroken.group_member import group_mesh
+
+        return group_mesh
     if name in ("sample_rng", "sample_seed"):
         from unbroken import loader
 

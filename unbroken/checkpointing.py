@@ -16,7 +16,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from unbroken.errors import GenerationFailed
+from unbroken import healing
+from unbroken.errors import ConfigError, GenerationFailed
 
 if TYPE_CHECKING:
     from unbroken.runtime import Job
@@ -58,6 +59,9 @@ class Checkpointing:
     def resume(self) -> None:
         """Load the newest checkpoint that verifies, if there is one."""
         job = self.job
+        if job._group is not None:
+            self._resume_sharded()
+            return
         found = self.store.load_latest()
         if found is None:
             if self.store.steps() or _has_entries(self.store):
@@ -79,7 +83,10 @@ class Checkpointing:
             return
         now = time.monotonic()
         self._account_save_cost(now)
-        if job.next_step < (job.total or 0) and self.schedule.due(job.next_step, now):
+        due = job.next_step < (job.total or 0) and self.schedule.due(job.next_step, now)
+        if job._group is not None and job._group.grouped:
+            due = job._group.agree([float(due)])[0] > 0  # the processes of a group write together or not at all
+        if due:
             self.save()
 
     def _account_save_cost(self, now: float) -> None:
@@ -108,6 +115,12 @@ class Checkpointing:
         job = self.job
         group = job._joiner.group
         meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id]}
+        if job._group is not None:
+            with job._joiner.busy("sharded checkpoint write"):
+                self._save_sharded(meta)
+            if self.schedule is not None:
+                self.schedule.began(time.monotonic())
+            return
         with job._joiner.busy("checkpoint snapshot"):
             stall = self.saver.save(job.next_step, job._state(), meta)
         if self.schedule is not None:
@@ -119,6 +132,63 @@ class Checkpointing:
             job._events.emit("checkpoint_skipped", step=job.next_step, writing=self.saver.writing)
         elif self.schedule is not None:
             self._save_cost, self._save_cost_pending = stall, True
+
+    # -- replica groups: one DCP shard per process, written by one group (issue 18) --------------
+
+    def _sharded_state(self) -> dict[str, Any]:
+        from unbroken.sharded_checkpoint import TrainingState
+
+        job = self.job
+        state: dict[str, Any] = {"train": TrainingState(job.model, job.optimizer)}
+        for name, part in (("scheduler", job.scheduler), ("extra", job.extra_state), ("scaler", job.scaler)):
+            if part is not None:
+                state[name] = part.state_dict()
+        return state
+
+    def _plan(self) -> dict[str, int]:
+        plan = self.job.plan
+        return {"global_batch_size": plan.global_batch_size, "seed": plan.seed, "dataset_len": plan.dataset_len}
+
+    def _save_sharded(self, meta: dict[str, Any]) -> None:
+        """Every process of the group writes its shard; process 0 publishes the manifest."""
+        from unbroken.sharded_checkpoint import save_sharded
+
+        job = self.job
+        started = time.monotonic()
+        meta = {**meta, "runtime": {"next_step": job.next_step, "lineage": list(job.lineage)}, "plan": self._plan()}
+        location = save_sharded(job.checkpoint.directory, job.next_step, self._sharded_state(), meta=meta,
+                                model=job.model, keep=job.checkpoint.keep)
+        if job._group.leader:
+            seconds = time.monotonic() - started  # written in the foreground: all of it is stall
+            self._done({"step": job.next_step, "location": location, "stall": seconds, "write_seconds": seconds,
+                        "processes": job._group.size})
+
+    def _resume_sharded(self) -> None:
+        """Every process of the group loads its shard of the newest sharded checkpoint (any number
+        of groups, any group size wrote it: DCP reshards)."""
+        from unbroken.sharded_checkpoint import load_sharded
+
+        job = self.job
+        state = self._sharded_state()
+        manifest = load_sharded(job.checkpoint.directory, state)
+        if manifest is None:
+            if self.store.steps() or _has_entries(self.store):
+                print(f"unbroken: warning: no valid sharded checkpoint in {job.checkpoint.directory}; starting from step 0", flush=True)
+            return
+        if manifest.get("plan") != self._plan():
+            raise ConfigError(f"the checkpoint was written with the data plan {manifest.get('plan')}, this job has {self._plan()}")
+        for name, part in (("scheduler", job.scheduler), ("extra", job.extra_state), ("scaler", job.scaler)):
+            if part is not None:
+                part.load_state_dict(state[name])
+        runtime = manifest["runtime"]
+        job.next_step, job.lineage = int(runtime["next_step"]), list(runtime["lineage"])
+        job._digest = healing.lineage_digest(job.lineage)
+        job.fresh = False
+        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
+        if job._joiner.heartbeat is not None:
+            job._joiner.heartbeat.step = job.next_step
+        print(f"unbroken: resumed from step {job.next_step} of the sharded checkpoint in {job.checkpoint.directory}", flush=True)
+        job._events.emit("resume", step=job.next_step, location=job.checkpoint.directory)
 
     def final(self) -> None:
         """A single process saves the final state and waits until it is durable."""

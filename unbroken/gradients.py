@@ -11,6 +11,9 @@ Each bucket also carries one presence slot per parameter, so a gradient that no 
 stays ``None`` as it would in a single process, and bucket 0 carries the step's control slots
 (the reconfigure flag and the share-weighted loss), summed over members for free.
 
+A parameter sharded by FSDP2 (a DTensor, in a replica group) contributes its local shard: the
+shard held by process ``j`` of every group is reduced over the generation's group of shard ``j``.
+
 Buckets live on their parameters' device: CUDA gradients are reduced in CUDA memory (by NCCL, or
 by Gloo, which takes CUDA tensors), without a copy through the host. The control slots share the
 first bucket's dtype and device.
@@ -26,6 +29,20 @@ import torch
 from unbroken.group import GenerationGroup
 
 CONTROL_SLOTS = 4  # [members asking to reconfigure, weighted loss sum, counted total, members counting]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's own part of a sharded parameter or gradient (an FSDP2 DTensor's local
+    shard), the tensor itself otherwise: replica groups reduce each shard across the groups."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if local is not None else tensor
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for a sharded ``param`` whose local shard is ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 @dataclass
@@ -46,12 +63,12 @@ class Bucket:
     def pack(self) -> None:
         presence = []
         for p, off in zip(self.params, self.offsets):
-            view = self.flat[off : off + p.numel()]
+            view = self.flat[off : off + _local(p).numel()]
             if p.grad is None:
                 view.zero_()
                 presence.append(0.0)
             else:
-                view.copy_(p.grad.reshape(-1))
+                view.copy_(_local(p.grad).reshape(-1))
                 presence.append(1.0)
         # the presence slots in one copy (on a GPU, one transfer instead of one per parameter)
         self.flat[self.numel : self.numel + len(presence)].copy_(torch.tensor(presence, dtype=self.flat.dtype))
@@ -62,11 +79,12 @@ class Bucket:
             if here == 0:
                 p.grad = None
                 continue
-            view = self.flat[off : off + p.numel()].view_as(p)
+            local = _local(p)
+            view = self.flat[off : off + local.numel()].view_as(local)
             if p.grad is None:
-                p.grad = view.clone()
+                p.grad = view.clone() if local is p else _like(p, view.clone())
             else:
-                p.grad.copy_(view)
+                _local(p.grad).copy_(view)
 
 
 class GradientReducer:
@@ -99,7 +117,7 @@ class GradientReducer:
                 offsets, total = [], 0
                 for p in params:
                     offsets.append(total)
-                    total += p.numel()
+                    total += _local(p).numel()
                 control = not self.buckets
                 extra = len(params) + (CONTROL_SLOTS if control else 0)
                 flat = torch.zeros(total + extra, dtype=params[0].dtype, device=params[0].device)
@@ -111,7 +129,7 @@ class GradientReducer:
         for p in reversed(self.params):
             key = (p.dtype, p.device)
             pending.setdefault(key, []).append(p)
-            sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+            sizes[key] = sizes.get(key, 0) + _local(p).numel() * p.element_size()
             if sizes[key] >= (first_cap if not self.buckets else cap):
                 close(key)
         for key in list(pending):

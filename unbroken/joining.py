@@ -57,6 +57,21 @@ class Joiner:
         self._store_address: tuple[str, int] | None = None
         self._incarnation: str | None = None  # of the coordinator that formed the current generation
         self._preflight_cache: dict[str, Any] | None = None
+        self._relayed = 0  # seq of the last generation process 0 of this replica group relayed
+
+    def _grouped(self) -> Any:
+        """This process's replica group when it has more than one process, else None."""
+        group = self.job._group
+        return group if group is not None and group.grouped else None
+
+    @property
+    def view(self) -> dict[str, Any]:
+        """The coordinator's latest view of this member: heard by the heartbeat, or, in processes
+        1..K-1 of a replica group, relayed by process 0."""
+        if self.heartbeat is not None:
+            return self.heartbeat.view
+        group = self._grouped()
+        return group.relay.view() if group is not None and group.relay is not None else {}
 
     # -- the coordinator -----------------------------------------------------------------------
 
@@ -67,14 +82,23 @@ class Joiner:
         job, settings = self.job, self.job.settings
         assert settings.coordinator is not None
         die_with_launcher()
-        self.client = CoordinatorClient(settings.coordinator, settings.coordinator_timeout, settings.token)
-        self.heartbeat = Heartbeat(self.client, job.member_id, settings.heartbeat_interval, self._on_view, max_age=settings.lease)
-        self.heartbeat.progress = job._progress
-        self.heartbeat.start()
+        group = self._grouped()
+        if group is not None:
+            # every process ticks the group's relay; process 0 reports the group's progress, which
+            # moves only while every process of the group moves
+            group.start(job._progress, settings.heartbeat_interval, self._on_view)
+        if group is None or group.leader:
+            self.client = CoordinatorClient(settings.coordinator, settings.coordinator_timeout, settings.token)
+            self.heartbeat = Heartbeat(self.client, job.member_id, settings.heartbeat_interval, self._on_view, max_age=settings.lease)
+            self.heartbeat.progress = job._progress if group is None else group.relay.group_progress
+            self.heartbeat.start()
         job._samples.open()
         ExitGuard.install(job)
 
     def _on_view(self, view: dict[str, Any]) -> None:
+        group = self._grouped()
+        if group is not None and group.leader:
+            group.relay.publish_view(view)
         if view.get("fence"):
             # Declared dead for making no progress (stuck in user code or a device): this process
             # cannot be trusted to reach a step boundary, so it ends itself and its launcher
@@ -127,20 +151,31 @@ class Joiner:
                     f"dataset {job.plan.dataset_len}, global batch {job.plan.global_batch_size},"
                     f" micro-batch {job.plan.micro_batch_size}, seed {job.plan.seed}"
                 ),
+                **self._group_preflight(),
                 "torch": torch.__version__,
                 "unbroken": unbroken.__version__,
                 "script": f"{os.path.basename(script)} sha256 {script_hash}",
             }
         return self._preflight_cache
 
+    def _group_preflight(self) -> dict[str, str]:
+        """A replica group's size and sharding: every group must match (same shard at index j)."""
+        group = self.job._group
+        if group is None:
+            return {}
+        from unbroken.replica_groups import sharding_fingerprint
+
+        return {"group size": str(group.size), "sharding": sharding_fingerprint(self.job.model)}
+
     # -- whether the generation holds ----------------------------------------------------------
 
     def reconfigure_wanted(self) -> bool:
-        view = self.heartbeat.view if self.heartbeat else {}
+        view = self.view
         return bool(view.get("reconfigure")) and view.get("generation") == self.job.generation
 
     def _silence(self) -> float:
-        """Seconds since the sending of the newest request that the coordinator answered."""
+        """Seconds since the sending of the newest request that the coordinator answered (0 in
+        processes 1..K-1 of a replica group, whose watchdog judges process 0's silence)."""
         return time.monotonic() - self.client.last_ok if self.client else 0.0
 
     def abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
@@ -149,7 +184,7 @@ class Joiner:
         A lease that ran out forbids a commit (``for_commit``) but ends the generation only
         ``coordinator_grace`` later: a stalled coordinator has declared nobody dead meanwhile,
         and a member that was declared dead hears so as soon as the coordinator answers."""
-        view = self.heartbeat.view if self.heartbeat else {}
+        view = self.view
         settings = self.job.settings
         silent = self._silence()
         if silent > settings.lease + settings.coordinator_grace or (for_commit and silent > settings.lease):
@@ -197,12 +232,16 @@ class Joiner:
     def join(self) -> bool:
         """Join the next generation and heal; False if the job has finished (nothing to join)."""
         deadline = time.monotonic() + self.job.settings.join_timeout
+        group = self._grouped()
+        if group is not None and not group.leader:
+            return self._join_relayed(group, deadline)
         taken = self._formed_without_joining()
-        if taken is not None and self._form(taken):
+        if taken is not None and self._form(self._relay(taken)):
             return True
         while True:
             reply = self._ask_to_join()
             if reply["status"] == "finished":
+                self._relay(reply)
                 return self._finished_without_us()
             self._refuse_on(reply)
             if reply["status"] != "formed":
@@ -212,7 +251,24 @@ class Joiner:
                         " may be waiting for more members than have started (see `unbroken status HOST:PORT`)"
                     )
                 continue
-            if self._form(reply):
+            if self._form(self._relay(reply)):
+                return True
+
+    def _relay(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """Process 0 of a replica group: pass a generation (or the job's end) on to the group."""
+        group = self._grouped()
+        if group is not None:
+            group.relay.publish_generation(reply)
+        return reply
+
+    def _join_relayed(self, group: Any, deadline: float) -> bool:
+        """Processes 1..K-1 of a replica group: form every generation process 0 joins, in order."""
+        while True:
+            record = group.relay.wait_generation(self._relayed, max(1.0, deadline - time.monotonic()))
+            self._relayed = record.seq
+            if record.value.get("status") == "finished":
+                return self._finished_without_us()
+            if self._form(record.value):
                 return True
 
     def _formed_without_joining(self) -> dict[str, Any] | None:
@@ -220,7 +276,7 @@ class Joiner:
         coordinator formed it into a newer generation (it was waiting in a collective of the one a
         verdict broke: ``Membership.take_survivors``); None when it must ask. A view that is stale
         by the time the group is built only costs a failed formation and a join."""
-        view = self.heartbeat.view if self.heartbeat else {}
+        view = self.view
         number = view.get("generation", 0)
         if (
             self._store_address is None
@@ -297,8 +353,14 @@ class Joiner:
         number = reply["generation"]
         job.generation = number
         self._incarnation = reply.get("incarnation")
+        group_of_processes = self._grouped()
+        prefix = reply["prefix"]
+        if self.job._group is not None:
+            prefix = f"{prefix}/shard{self.job._group.rank}"  # process j reduces and heals shard j
         if "members" in reply:  # a coordinator that sends the whole list
             members: Any = reply["members"]
+        elif self.client is None:  # processes 1..K-1 of a replica group: names only for messages
+            members = [f"rank{i}" for i in range(int(reply["size"]))]
         else:
             from unbroken.roster import Roster
 
@@ -316,12 +378,20 @@ class Joiner:
             timeout=job.settings.collective_timeout,
             blocked=self._blocked,
         )
+        error: GenerationFailed | None = None
         try:
-            group.connect(self._store_for(reply["store_host"], reply["store_port"]), reply["prefix"], reply["store_host"])
+            group.connect(self._store_for(reply["store_host"], reply["store_port"]), prefix, reply["store_host"])
             job._healer.heal(group)
         except GenerationFailed as exc:
             self._store = None  # a broken store connection must not break every later generation
-            self.report_failure(number, str(exc))
+            error = exc
+        if group_of_processes is not None:
+            # the group uses a generation only if every one of its processes built and healed its shard's group
+            agreed, _ = group_of_processes.vote(error is None, number)
+            if error is None and not agreed:
+                error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
+        if error is not None:
+            self.report_failure(number, str(error))
             self.graveyard.park(group)
             return False
         self.group = group
@@ -355,6 +425,8 @@ class Joiner:
 
     def report_failure(self, number: int, error: str) -> None:
         log.warning("%s: generation %d failed: %s", self.job.member_id, number, error)
+        if self.client is None:
+            return  # a process of a replica group other than 0: its process 0 reports for the group
         try:
             self.client.post("/v1/failure", member=self.job.member_id, generation=number, error=error[:500])
         except UnbrokenError as exc:

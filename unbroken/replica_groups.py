@@ -175,6 +175,7 @@ from unbroken.errors import ConfigError
 __all__ = [
     "GroupMismatch",
     "GroupShape",
+    "ProcessPlan",
     "check_groups_match",
     "load_local_state_shards",
     "local_gradient_shards",
@@ -231,13 +232,33 @@ def process_micro_batches(plan: DataPlan, step: int, group: int, groups: int, pr
     backward is a collective of the whole group. The loss of a micro-batch must then be written as
     a *sum* over its samples divided by ``G`` (an empty batch contributes 0, not NaN).
     """
-    share = plan.share(step, group, groups)
-    _check_index("process", process, group_size)
-    largest = len(_part(share, 0, group_size))  # part 0 is never smaller than the others
-    count = max(1, math.ceil(largest / plan.micro_batch_size))
-    mine = _part(share, process, group_size)
-    m = plan.micro_batch_size
-    return [mine[i * m : (i + 1) * m] for i in range(count)]
+    within = ProcessPlan(plan.dataset_len, plan.global_batch_size, plan.micro_batch_size, plan.seed, group_size, process)
+    return within.micro_batches(step, group, groups)
+
+
+@dataclass(frozen=True)
+class ProcessPlan(DataPlan):
+    """The data plan of one process of a replica group: :meth:`share` and :meth:`micro_batches`
+    of *member* ``index`` of ``count`` (a group) give this process's part of the group's share,
+    as :func:`process_share` and :func:`process_micro_batches` cut it. The runtime's step and
+    loader use it in place of the plain plan, so they need not know about groups."""
+
+    group_size: int = 1
+    process: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_index("process", self.process, self.group_size)
+
+    def share(self, step: int, index: int, count: int) -> range:
+        return _part(DataPlan.share(self, step, index, count), self.process, self.group_size)
+
+    def micro_batches(self, step: int, index: int, count: int) -> list[range]:
+        group_share = DataPlan.share(self, step, index, count)
+        largest = len(_part(group_share, 0, self.group_size))
+        m = self.micro_batch_size
+        mine = _part(group_share, self.process, self.group_size)
+        return [mine[i * m : (i + 1) * m] for i in range(max(1, math.ceil(largest / m)))]
 
 
 # -- every group has the same size and sharding ----------------------------------------------------

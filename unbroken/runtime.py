@@ -105,12 +105,21 @@ class Job:
         settings: RuntimeSettings | None = None,
         checkpoint: "CheckpointSettings | None" = None,
     ) -> None:
-        self.plan = DataPlan(
+        self.settings = settings or RuntimeSettings.from_env()
+        self.distributed = self.settings.coordinator is not None
+        self._group = self._replica_group()
+        plan_args = (
             _check_dataset(dataset),
             global_batch_size,
             global_batch_size if micro_batch_size is None else micro_batch_size,
             seed,
         )
+        if self._group is not None and self._group.grouped:
+            from unbroken.replica_groups import ProcessPlan
+
+            self.plan: DataPlan = ProcessPlan(*plan_args, self._group.size, self._group.rank)
+        else:
+            self.plan = DataPlan(*plan_args)
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -123,10 +132,10 @@ class Job:
             dataset, self.plan, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
             collate_fn=collate_fn, worker_init_fn=worker_init_fn,
         )
-        self.settings = settings or RuntimeSettings.from_env()
-        self.distributed = self.settings.coordinator is not None
         self._choose_backend(model)
         self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
+        if self._group is not None and self._group.rank > 0:
+            self.member_id = f"{self.member_id}.p{self._group.rank}"  # the group's member is process 0
         self._init_progress()
         self._joiner = Joiner(self)
         self._ticks = 0  # progress: micro-batches, backwards, collectives entered (see _progress)
@@ -145,6 +154,19 @@ class Job:
         self._grad_events = 0  # gradient accumulations seen by a single process's hooks
         self._buffers = [b for b in model.buffers() if b.numel()]
         self._watch_gradients(model)
+
+    def _replica_group(self) -> Any:
+        """The replica group this process is in (:func:`unbroken.group_mesh` made it), or None."""
+        from unbroken import group_member
+
+        group = group_member.current()
+        if group is None and self.distributed and group_member.GroupSettings.from_env().size > 1:
+            raise ConfigError(
+                "this process is one of a replica group (unbroken run --group-size), but the script did not call"
+                " unbroken.group_mesh(): call it before building the model and shard the model over the mesh it"
+                " returns (fully_shard(..., mesh=mesh)); see examples/train_fsdp.py"
+            )
+        return group
 
     def _init_progress(self) -> None:
         """Where this member stands: no step committed, no generation joined, no live state."""
@@ -283,9 +305,17 @@ class Job:
     # -- the training state ----------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
+        if self._group is not None:
+            from unbroken.replica_groups import local_state_shards
+
+            # A replica group: this process's shards only; process j of another group holds the same ones.
+            model: Any = local_state_shards(self.model, self.optimizer)
+            optimizer: Any = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
             "runtime": {"next_step": self.next_step, "lineage": list(self.lineage)},
@@ -298,8 +328,15 @@ class Job:
         mine = {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len}
         if state["plan"] != mine:
             raise ConfigError(f"members disagree on the data plan: peer has {state['plan']}, this member {mine}")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self._group is not None:
+            from unbroken.replica_groups import load_local_state_shards
+
+            load_local_state_shards(self.model, self.optimizer, state["model"])
+            for group, saved in zip(self.optimizer.param_groups, state["optimizer"]):
+                group.update(saved)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.extra_state is not None and state["extra"] is not None:
@@ -324,7 +361,7 @@ class Job:
         if heartbeat is not None:
             heartbeat.step = self.next_step
             heartbeat.warm = True
-        if self._events.enabled and self.member_index == 0:
+        if self._events.enabled and self.member_index == 0 and (self._group is None or self._group.leader):
             self._events.emit(
                 "step",
                 step=step.index,
@@ -349,6 +386,8 @@ class Job:
         self._joiner.abandon(reason)
 
     def _stop(self, finished: bool) -> None:
+        if self._group is not None:
+            self._group.stop()
         if finished:
             self._samples.write_lineage(self.lineage, self.replica_hash, self.next_step)
         self._joiner.leave(finished)

@@ -40,7 +40,10 @@ class SampleRecord:
         """The positions ``step`` is about to send into its generation's allreduce."""
         if self._fd is None:
             return
-        line = f'{{"g":{step.generation},"s":{step.index},"r":{step.rank},"n":{step.members},"a":{step.positions.start},"b":{step.positions.stop}}}\n'
+        group = step.job._group
+        # in a replica group, "k" processes each log their part of the group's share
+        k = f',"k":{group.size}' if group is not None and group.grouped else ""
+        line = f'{{"g":{step.generation},"s":{step.index},"r":{step.rank},"n":{step.members}{k},"a":{step.positions.start},"b":{step.positions.stop}}}\n'
         os.write(self._fd, line.encode())
 
     def commit(self, step: Step) -> None:

@@ -67,8 +67,11 @@ class Step:
         Stops early when the generation broke meanwhile (a peer failed): :meth:`reduce` then
         returns False at once, so a long step is left within one micro-batch, not at its end."""
         job = self.job
+        # The processes of a replica group must run the same number of backward passes (each is
+        # a collective of the group): none of them leaves early on its own view of the generation.
+        early = job._reducer is not None and (job._group is None or not job._group.grouped)
         for micro in range(len(self._micro)):
-            if job._reducer is not None and not self._stale:
+            if early and not self._stale:
                 self._stale = job._abandon_reason(self.generation)
             if self._stale:
                 return
@@ -160,11 +163,7 @@ class Step:
             self._reduced = True
             return True
         try:
-            self._arm()
-            if self._stale:
-                raise GenerationFailed(f"step {self.index} not sent: {self._stale}")
-            flag, loss, count, counting = job._reducer.finish(lambda: job._chaos.point("allreduce", self.index))
-            self._sync_buffers()
+            flag, loss, count, counting = self._reduce_shared()
             self.reconfigure = flag > 0
             self.loss = self._normalise(loss, count, counting)
             self._reduced = True
@@ -175,6 +174,31 @@ class Step:
             self.failed, self.error, self._reduced = True, exc.with_traceback(None), False
             self._discard()
         return self._reduced
+
+    def _reduce_shared(self) -> tuple[float, float, float, float]:
+        """Allreduce this member's gradients (its shard's, in a replica group) and return the summed
+        control slots; raises :class:`GenerationFailed` if the generation broke. In a replica group
+        every process then votes: the step goes on only if every process reduced its shard, and
+        the control slots are summed over the group's processes too."""
+        job = self.job
+        error: GenerationFailed | None = None
+        sums = [0.0] * 4
+        try:
+            self._arm()
+            if self._stale:
+                raise GenerationFailed(f"step {self.index} not sent: {self._stale}")
+            sums = list(job._reducer.finish(lambda: job._chaos.point("allreduce", self.index)))
+            self._sync_buffers()
+        except GenerationFailed as exc:
+            error = exc
+        if job._group is not None and job._group.grouped:
+            ok, sums = job._group.vote(error is None, self.generation, sums)
+            if error is None and not ok:
+                error = GenerationFailed(f"step {self.index}: another process of this replica group could not reduce its shard")
+        if error is not None:
+            raise error
+        flag, loss, count, counting = sums
+        return flag, loss, count, counting
 
     def _sync_buffers(self) -> None:
         """Give every member the buffers (BatchNorm statistics, ...) of the generation's rank 0,
@@ -232,15 +256,18 @@ class Step:
             return False
         job = self.job
         if job._reducer is not None:
+            reason = None
             try:
                 job._chaos.point("commit", self.index)
             except GenerationFailed as exc:
-                self.failed, self.error = True, exc.with_traceback(None)
-                self._discard()
-                return False
-            reason = job._joiner.commit_reason(self.generation)
+                reason = str(exc)
+            reason = reason or job._joiner.commit_reason(self.generation)
+            if job._group is not None and job._group.grouped:
+                ok, _ = job._group.vote(reason is None, self.generation)
+                if not ok and reason is None:
+                    reason = f"step {self.index} not committed: another process of this replica group may not commit it"
             if reason:
-                self.failed, self.error = True, GenerationFailed(f"step {self.index} not committed: {reason}")
+                self.failed, self.error = True, GenerationFailed(reason if reason.startswith("step ") else f"step {self.index} not committed: {reason}")
                 self._discard()
                 return False
         if job.scaler is None:

@@ -183,7 +183,8 @@ def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: 
             covered.extend(range(record["a"], record["b"]))
         expected = list(range(step * global_batch_size, (step + 1) * global_batch_size))
         assert sorted(covered) == expected, f"step {step} (generation {generation}): positions {sorted(covered)[:8]}... != {expected[:8]}..."
-        assert len(records) == records[0]["n"], f"step {step}: {len(records)} shares logged for {records[0]['n']} members"
+        parts = records[0]["n"] * records[0].get("k", 1)  # k: processes per replica group
+        assert len(records) == parts, f"step {step}: {len(records)} shares logged for {parts} parts ({records[0]['n']} members)"
     redone = sum(1 for (g, s) in attempts if lineage[s] != g) if lineage else 0
     return {"generations": sorted(set(lineage)), "redone_attempts": redone}
 
