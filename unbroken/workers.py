@@ -5,6 +5,12 @@ state is a :class:`WorkerState` (the transitions are drawn in :mod:`unbroken.lau
 runs in a process group of its own, so that whatever it started dies with it. Its output goes to
 ``<run dir>/workers/w<local rank>.log`` and, for one rank, to the console; its exit is reported
 to the launcher's queue the moment it happens.
+
+With ``--group-size`` K > 1 a slot is a replica group: K processes (local ranks ``slot*K + j``)
+in one process group led by process 0, whose output all goes to the slot's log (process j > 0's
+lines prefixed ``[pj] ``). They share one fate: the first to fail kills the process group, and
+the slot reports one exit, that process's. They meet in a TCPStore the launcher hosts
+(``UNBROKEN_GROUP_STORE``) under a prefix per incarnation of the group (``UNBROKEN_GROUP_PREFIX``).
 """
 
 from __future__ import annotations
