@@ -125,3 +125,25 @@ def test_a_process_count_that_is_not_a_multiple_of_the_group_size_exits_2(tmp_pa
     run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "3", "--group-size", "2", PROBE, str(tmp_path), timeout=30)
     assert run.code == 2
     assert "--nproc-per-node 3 is not a multiple of --group-size 2" in run.stderr
+
+
+def test_sigterm_to_the_launcher_stops_every_process_of_every_group(tmp_path):
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "probe")
+    os.makedirs(out)
+    proc = _launch(run_dir, out, "--nproc-per-node", "4", "--group-size", "2", "--shutdown-grace", "2")
+    try:
+        # slot 0's first incarnation fails on purpose; wait for its second and for slot 1's process 0
+        wanted = ["n1.w0.r1.p0", "n1.w0.r1.p1", "n1.w1.r0.p0"]
+        harness.wait_for(lambda: set(wanted) <= set(_records(out)), 40, "the groups to start")
+        pids = [_records(out)[name]["pid"] for name in wanted]
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        leftovers = harness.kill_leftovers(run_dir)
+    assert proc.returncode == 143 and "stopped by SIGTERM" in stderr, stdout + stderr
+    assert leftovers == [] and not any(harness._running(pid) for pid in pids)
+    assert not [n for n in os.listdir(out) if n.endswith(".exit")]  # none ended normally
+    assert all(w["state"] == "stopped" for w in harness.Run(0, "", "", run_dir).summary()["workers"])
