@@ -27,15 +27,9 @@ from typing import Any, Callable
 import torch
 
 from unbroken.group import GenerationGroup
+from unbroken.replica_groups import _local  # a sharded parameter's own part: what replica groups reduce
 
 CONTROL_SLOTS = 4  # [members asking to reconfigure, weighted loss sum, counted total, members counting]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's own part of a sharded parameter or gradient (an FSDP2 DTensor's local
-    shard), the tensor itself otherwise: replica groups reduce each shard across the groups."""
-    local = getattr(tensor, "_local_tensor", None)
-    return local if local is not None else tensor
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from unbroken.errors import ConfigError
 from unbroken.replica_groups import (
     GroupMismatch,
     GroupShape,
+    ProcessPlan,
     check_groups_match,
     load_local_state_shards,
     local_gradient_shards,
@@ -48,6 +49,21 @@ def test_the_processes_of_all_groups_cover_the_step_exactly_once(g, n, k, step, 
     assert _positions(parts) == list(range(step * g, (step + 1) * g))  # in order, each once
     micro = [process_micro_batches(plan, step, gi, n, j, k) for gi in range(n) for j in range(k)]
     assert _positions(mb for mbs in micro for mb in mbs) == list(range(step * g, (step + 1) * g))
+
+
+@FAST
+@given(g=st.integers(1, 64), n=st.integers(1, 12), k=st.integers(1, 9), step=st.integers(0, 1000), m=st.integers(1, 20))
+def test_the_plan_a_process_of_a_group_runs_with_is_its_part_of_the_group_s_share(g, n, k, step, m):
+    # the runtime's step and loader ask a ProcessPlan for member (group) gi of n, as they ask a plain plan
+    plan = DataPlan(dataset_len=100, global_batch_size=g, micro_batch_size=m, seed=3)
+    for gi in range(n):
+        for j in range(k):
+            mine = ProcessPlan(100, g, m, 3, group_size=k, process=j)
+            assert mine.share(step, gi, n) == process_share(plan, step, gi, n, j, k)
+            assert mine.micro_batches(step, gi, n) == process_micro_batches(plan, step, gi, n, j, k)
+            assert mine.indices(mine.share(step, gi, n)).tolist() == plan.indices(process_share(plan, step, gi, n, j, k)).tolist()
+    with pytest.raises(ValueError, match="process index 2"):
+        ProcessPlan(100, g, m, 3, group_size=2, process=2)
 
 
 @FAST
