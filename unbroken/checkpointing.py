@@ -116,10 +116,13 @@ class Checkpointing:
         group = job._joiner.group
         meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id]}
         if job._group is not None:
+            started = time.monotonic()
             with job._joiner.busy("sharded checkpoint write"):
                 self._save_sharded(meta)
             if self.schedule is not None:
                 self.schedule.began(time.monotonic())
+                # written in the foreground: the whole write is what it cost (--checkpoint-every auto)
+                self._save_cost, self._save_cost_pending = time.monotonic() - started, True
             return
         with job._joiner.busy("checkpoint snapshot"):
             stall = self.saver.save(job.next_step, job._state(), meta)

@@ -82,7 +82,7 @@ class GroupSettings:
 class GroupMember:
     """One process of a replica group: its index, the group's process group, relay and watchdog."""
 
-    def __init__(self, settings: GroupSettings, collective_timeout: float = 300.0) -> None:
+    def __init__(self, settings: GroupSettings, collective_timeout: float = 300.0, device: str = "cpu") -> None:
         self.settings = settings
         self.size = settings.size
         self.rank = settings.rank
@@ -96,7 +96,13 @@ class GroupMember:
             self._store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=collective_timeout))
         if not dist.is_initialized():
             store = dist.PrefixStore(settings.prefix + "pg/", self._store) if self._store is not None else dist.HashStore()
-            dist.init_process_group("gloo", store=store, rank=settings.rank, world_size=settings.size,
+            # FSDP's collectives on GPU tensors go over NCCL; the group's votes (CPU tensors) over Gloo
+            backend = "cpu:gloo,cuda:nccl" if str(device).startswith("cuda") else "gloo"
+            if backend != "gloo":
+                from unbroken.devices import local_device
+
+                torch.cuda.set_device(local_device())
+            dist.init_process_group(backend, store=store, rank=settings.rank, world_size=settings.size,
                                     timeout=datetime.timedelta(seconds=collective_timeout))
         elif dist.get_world_size() != settings.size:
             raise ConfigError(
@@ -182,10 +188,11 @@ def group_mesh(device: str = "cpu") -> Any:
 
     Under ``unbroken run --group-size K`` this makes the K processes of the group
     torch.distributed's default process group (never the whole job's: groups come and go); run
-    alone, a group of one. Call it once, before building the model; later calls return a mesh of
-    the same group.
+    alone, a group of one. ``device="cuda"``: this process's GPU (``cuda:LOCAL_RANK``) becomes its
+    current device and the group's GPU collectives use NCCL (not yet run on a GPU). Call it once,
+    before building the model; later calls return a mesh of the same group.
     """
     global _current
     if _current is None:
-        _current = GroupMember(GroupSettings.from_env())
+        _current = GroupMember(GroupSettings.from_env(), device=device)
     return _current.mesh(device)

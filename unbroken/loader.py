@@ -199,6 +199,8 @@ class PlannedSamples(Dataset):
         if self.collate_fn is None and isinstance(self.dataset, TensorDataset):
             index = torch.tensor(key.indices, dtype=torch.long)
             return Delivery(key.where, tuple(t[index] for t in self.dataset.tensors), None)
+        if not key.indices:
+            return Delivery(key.where, self._empty(key), None)
         items = []
         position, index = key.start, None
         try:
@@ -219,6 +221,30 @@ class PlannedSamples(Dataset):
         finally:
             _current = None
         return Delivery(key.where, batch, None)
+
+
+    def _empty(self, key: Key) -> Any:
+        """An empty micro-batch shaped like a real one (a process of a replica group whose part of
+        a step is shorter than the others' still runs a forward and backward, on nothing): one
+        sample collated, every tensor in it cut to length 0. ``collate([])`` has no shape to give."""
+        _seed_globals(_batch_seed(self.seed, key.start, 0))
+        try:
+            batch = self.collate_fn([self.dataset[0]]) if self.collate_fn is not None else default_collate([self.dataset[0]])
+        except Exception as exc:
+            raise _error(key.where, 0, None, f"an empty micro-batch is shaped like sample 0, which failed: {type(exc).__name__}: {exc}") from exc
+        return _emptied(batch)
+
+
+def _emptied(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_emptied(b) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_emptied(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _emptied(v) for k, v in batch.items()}
+    return batch
 
 
 class LoaderWorkerTraceback(Exception):
@@ -451,8 +477,8 @@ class Loader:
         if self._cursor is None:
             return
         version, (step, member, members, micro) = self._version, self._cursor
-        if not self.plan.share(step, member, members):
-            return  # an empty share is empty at every step
+        if not self.plan.micro_batches(step, member, members):
+            return  # an empty share has no micro-batches at any step (a replica group's process has empty ones)
         end = None if self.total is None else max(self.total, step + 1)  # the step asked for, at least
         while end is None or step < end:
             parts = self.plan.micro_batches(step, member, members)

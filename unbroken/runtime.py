@@ -252,18 +252,19 @@ class Job:
                         break
                     continue
                 if self.next_step >= total:
-                    if verify_replicas(self) and self._checkpointing.final_together():
+                    if self._together(verify_replicas(self) and self._checkpointing.final_together(), "could not finish"):
                         finished = True
                         break
                     continue
                 reason = self._abandon_reason(self.generation)
-                if reason:
-                    self._abandon(reason)
-                    continue
-                try:
-                    self._chaos.point("step", self.next_step)
-                except GenerationFailed as exc:
-                    self._abandon(str(exc))
+                if not reason:
+                    try:
+                        self._chaos.point("step", self.next_step)
+                    except GenerationFailed as exc:
+                        reason = str(exc)
+                if not self._together(not reason, f"left generation {self.generation}"):
+                    if reason:
+                        self._abandon(reason)
                     continue
                 step = Step(self, self.next_step)
                 yield step
@@ -276,9 +277,21 @@ class Job:
                 if step.reconfigure:
                     self._joiner.close_group()
                 elif self.settings.verify_every and self.next_step % self.settings.verify_every == 0 and self.next_step < total:
-                    verify_replicas(self)
+                    self._together(verify_replicas(self), "could not compare replicas")
         finally:
             self._stop(finished)
+
+    def _together(self, ok: bool, what: str) -> bool:
+        """Alone or as a plain member: ``ok``. In a replica group: whether every process is ok;
+        one that is ok while another is not leaves the generation with it, so that the group's
+        processes always run the same collectives (each judges the generation on its own view,
+        and process 0's view reaches the others a few milliseconds later)."""
+        if self._group is None or not self._group.grouped:
+            return ok
+        agreed, _ = self._group.vote(ok, self.generation)
+        if ok and not agreed and self._joiner.group is not None:
+            self._abandon(f"another process of this replica group {what}")
+        return agreed
 
     # -- data and progress ---------------------------------------------------------------------
 

@@ -322,3 +322,27 @@ def test_an_iterable_dataset_is_refused_at_construction_saying_what_to_do(datase
         _job(dataset=dataset)
     message = str(caught.value)
     assert "IterableDataset" in message and "map-style" in message and "(shard, offset)" in message
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-thread", "2-workers"])
+def test_a_replica_group_process_with_a_short_or_empty_part_gets_empty_batches_shaped_like_real_ones(workers):
+    from unbroken.replica_groups import ProcessPlan
+
+    # G=5, micro-batch 1, 2 groups of 2: group 0 has 3 samples, parts 2 and 1 (the second padded with an empty one);
+    # with 3 groups of 2, group 2's share is 1 sample and its process 1 has nothing at all
+    for groups, group, process in [(2, 0, 1), (3, 2, 1)]:
+        plan = ProcessPlan(N, 5, 1, 5, group_size=2, process=process)
+        made = Loader(Indexed(), plan, num_workers=workers, prefetch=2 if workers else None)
+        made.start(4)
+        try:
+            for step in range(3):
+                parts = plan.micro_batches(step, group, groups)
+                for micro, positions in enumerate(parts):
+                    index, draws = made.get(step, group, groups, micro)
+                    assert index.tolist() == plan.indices(positions).tolist()
+                    assert draws.shape == (len(positions), 3) and draws.dtype == torch.float64
+                assert any(len(p) == 0 for p in parts)  # at least one empty micro-batch was asked for
+        finally:
+            pids = made.pids()
+            made.close()
+            assert _gone(pids)
