@@ -3,8 +3,8 @@
 A *replica group* is K processes that shard one replica of the model with FSDP2 (``fully_shard``
 over the group's own 1-D device mesh). The coordinator's members are groups; process ``j`` of
 every group holds the same shard, so the cross-group gradient allreduce, healing and checkpoints
-all work per shard index ``j``. This module holds the pure pieces the runtime will need; it does
-not integrate them (the design note at the end of this docstring has the findings and the plan):
+all work per shard index ``j``. This module holds the pure pieces the runtime uses (the design
+note at the end of this docstring has the findings and how the runtime uses them):
 
 - :func:`process_share` / :func:`process_micro_batches`: the data plan split for groups. Group
   ``g`` of ``n`` takes its contiguous share of step ``s`` exactly as a member does
@@ -23,14 +23,13 @@ not integrate them (the design note at the end of this docstring has the finding
 (Kept here rather than in ``docs/``: the site is built with ``mkdocs build --strict``, which
 refuses a page that is not in the navigation.)
 
-Status: building blocks, not yet used by the runtime. In this module (unit tests in
-`tests/unit/test_replica_groups.py`) and three more, each with its tests:
-:mod:`unbroken.sharded_checkpoint` (one DCP shard per process, published by a manifest; a resume
-may change the number of groups and the group size), :mod:`unbroken.group_healing` (shard by
-shard, K transfers in parallel, a mismatched group refused before anything is written;
-`benchmarks/bench_group_heal.py`) and :mod:`unbroken.group_relay` (process 0 relays generations
-and views to its peers; any silent process fails the whole group). A standalone proof in
-`examples/hsdp_reference.py`. All figures: torch 2.13.0+cpu, Gloo, this 2-core shared machine.
+Status: used by the runtime (how, at the end of this note; the user guide is
+`docs/guide/replica-groups.md`). Besides this module (unit tests in
+`tests/unit/test_replica_groups.py`): :mod:`unbroken.group_member` (the group's own process group,
+relay and watchdog, its votes), :mod:`unbroken.group_relay`, :mod:`unbroken.sharded_checkpoint`,
+and `tests/integration/test_replica_groups.py` (the issue's four must-shows). The findings below
+come from the spike (`examples/hsdp_reference.py`). All figures: torch 2.13.0+cpu, Gloo, a shared
+2-core machine.
 
 ### What was found
 
@@ -122,42 +121,28 @@ Ratio 0.99 (the issue's target is <= 1.05x). With plain HSDP allreducing after e
 benchmark of record must be interleaved and repeated. `--steps 5 --hidden 64 --global-batch 29
 --micro-batch 3` (uneven shares 8/7/7/7) gave 5.9e-17.
 
-### What the runtime integration needs
+### How the runtime uses them
 
-- **Launcher (`--group-size K`)**: start members of K processes; the group's processes get
-  `RANK_IN_GROUP`/`GROUP_SIZE` and a group-local rendezvous (their own store prefix, or one
-  process of the group hosting it); any exit in a group stops and restarts all K (a group is one
-  member for the restart policy and the coordinator). Document placement: K consecutive local
-  ranks on one node by default; under SLURM/Kubernetes a group may span nodes.
-- **joining.py / coordinator**: the member is the group. Process 0 of a group talks to the
-  coordinator (join, heartbeat, verdicts) and relays to its K-1 peers over the group's own store
-  or process group; or every process heartbeats and the coordinator treats the group as dead when
-  any is. The join carries `GroupShape`; the coordinator runs `check_groups_match` against the
-  job's shape (from the first group or the checkpoint) and refuses with `EXIT_MISMATCH`. A
-  generation builds K cross-group `GenerationGroup`s, prefix `gen{N}/shard{j}`, one per j.
-- **step.py**: the plan is `process_micro_batches(plan, s, group, groups, j, K)`; the loss stays
-  share-weighted; the loop-misuse check counts micro-batches per process. Buffers: broadcast from
-  group 0 within each shard index j (buffers are replicated, so every j does it, or only j = 0
-  then an intra-group broadcast).
-- **gradients.py**: buckets over `local_gradient_shards(model)` (presence slots as today) on the
-  shard-j cross group; overlap via `set_all_reduce_hook` or post-backward hooks on the FSDP
-  units. Commit needs *all K* shard allreduces to succeed in this group, and a group may commit
-  only if every other group did: a failure of shard j's allreduce in one group must make all K
-  processes of every group redo the step. So after the K allreduces the group agrees on success
-  (an intra-group allreduce of a flag) before any optimizer step; the cross-group fence is the
-  generation as today. The control slots (reconfigure flag, loss) travel in shard 0's bucket.
-- **healer.py**: heal per shard index: process j of a receiving group receives from process j of
-  a sender group over the shard-j cross group, `local_state_shards` order, K transfers in
-  parallel; the fan-out tree works per j unchanged. Step counter, RNG, scheduler and param_groups
-  travel as today (shard 0's channel). Digest/fresh exchange per shard index.
-- **checkpointing.py**: snapshot = `get_model_state_dict` + `get_optimizer_state_dict` + the
-  small state; one group (the lowest index) writes with `dcp.save/async_save(...,
-  process_group=group_pg)` into a fresh directory, then the manifest publishes it; resume reads
-  with `dcp.load` in every group (any number of groups, any group size).
-- **Tests** as issue 18 lists (3 groups x 2 with a SIGKILL and heal, SIGSTOP, resume with 2
-  groups, size mismatch refused).
+- **Launcher** (`--group-size K`, :mod:`unbroken.workers`): a slot is a group of K processes in
+  one process group; the first process to fail takes the others down and the slot restarts as
+  one. It hosts a store for its groups; each incarnation of a group gets a prefix of its own.
+- **The member is the group** (:mod:`unbroken.joining`, :mod:`unbroken.group_member`): process 0
+  joins and heartbeats, sending the group's size and sharding fingerprint in its preflight (a
+  group that differs is refused by the coordinator, naming both values), and relays every
+  generation and view to processes 1..K-1; its heartbeat's progress is the relay's group progress.
+- **Process j works on shard j**: its generation group has the prefix `<generation>/shard<j>`,
+  its plan is :class:`ProcessPlan`, its gradient buckets hold local shards (`gradients._local`),
+  its healing state is :func:`local_state_shards` (healed over the shard-j group with the usual
+  fan-out, so the K shards move in parallel) and its replica check hashes its shard.
+- **Votes**: every decision that the processes of a group must take alike (use a generation, go
+  on at a step boundary, commit, write a checkpoint, finish) is an allreduce over the group's own
+  process group (:meth:`GroupMember.vote`); a process that disagrees makes the whole group redo.
+- **Checkpoints**: the group at index 0 writes with :func:`unbroken.sharded_checkpoint.save_sharded`
+  (in the foreground); a resume loads with `load_sharded` in the group at index 0, which heals the
+  others as a plain resume does.
 
-Not done in this spike: the hook-based overlap, group failure semantics, anything on NCCL.
+Not done: overlapping the cross-group reduction with backward (`set_all_reduce_hook`), groups
+spanning nodes, anything on a GPU.
 """
 
 from __future__ import annotations
