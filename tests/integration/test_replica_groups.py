@@ -72,7 +72,10 @@ def test_a_killed_process_stops_its_group_which_is_restarted_and_healed_shard_by
     after = [e for e in run.events("step") if e["t"] > fault["t"] and e["members"] == 2]
     assert after, "the surviving groups never committed a step on their own"
     stall = after[0]["t"] - fault["t"]
-    print(f"kill of one process of a group to the next commit of the other groups: {stall:.2f} s")
+    before = [e["t"] for e in run.events("step") if e["t"] < fault["t"]]
+    healthy = sorted(b - a for a, b in zip(before[1:], before[2:]))  # commit to commit, after the first step
+    print(f"kill of one process of a group to the next commit of the other groups: {stall:.2f} s"
+          f" (healthy commit to commit: {healthy[len(healthy) // 2]:.2f} s)")
     assert stall < HEARTBEAT_TIMEOUT  # its group was stopped and reported by the launcher, not timed out
     harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     _check_same_model(run.run_dir, single, 3)
