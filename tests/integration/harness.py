@@ -127,6 +127,26 @@ def command(argv: list[str], run_dir: str | None, timeout: float, env: dict[str,
     return Run(proc.returncode, out, err, run_dir or "")
 
 
+def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``unbroken ARGV...`` in the background (its own session, output captured as text); end it
+    with :func:`stop` in a ``finally``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "unbroken", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, text=True, start_new_session=True, env={**os.environ, **(env or {})},
+    )
+
+
+def stop(procs: list[subprocess.Popen | None], run_dirs: list[str]) -> None:
+    """SIGKILL every launcher of ``procs`` still running (with its session) and every worker of
+    ``run_dirs`` still alive, and reap the launchers."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    for run_dir in run_dirs:
+        kill_leftovers(run_dir)
+
+
 def single_process(out_dir: str, *args: str, timeout: float = 120.0) -> dict[str, torch.Tensor]:
     """The reference: the same script as a plain process, no launcher."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}

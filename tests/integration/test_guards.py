@@ -62,12 +62,7 @@ def test_a_node_that_does_not_match_the_job_is_refused_and_stopped_while_the_oth
         out_b, err_b = _finish(b, timeout=120)
         out_a, err_a = _finish(a)
     finally:
-        for proc in (a, b):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-        harness.kill_leftovers(run_a)
-        harness.kill_leftovers(run_b)
+        harness.stop([a, b], [run_a, run_b])
     assert b.returncode == 2, out_b[-2000:] + err_b[-2000:]
     refusals = harness.Run(0, "", "", run_a).events("refused")
     assert refusals and refusals[0]["member"].startswith("b.w0")

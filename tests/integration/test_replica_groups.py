@@ -7,7 +7,6 @@ plain process on the whole global batch.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -96,20 +95,15 @@ def test_a_stopped_process_is_caught_and_its_whole_group_replaced(tmp_path, sing
 def test_every_group_killed_then_resumed_from_the_sharded_checkpoint_with_two_groups(tmp_path, single):
     checkpoints = str(tmp_path / "checkpoints")
     first = str(tmp_path / "first")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "unbroken", "run", "--run-dir", first, "--nproc-per-node", "6", "--group-size", "2",
-         "--checkpoint-dir", checkpoints, "--checkpoint-every", "4", EXAMPLE, "--steps", str(STEPS), "--step-delay", "0.3"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-    )
+    proc = harness.start(["run", "--run-dir", first, "--nproc-per-node", "6", "--group-size", "2", "--checkpoint-dir",
+                          checkpoints, "--checkpoint-every", "4", EXAMPLE, "--steps", str(STEPS), "--step-delay", "0.3"])
     try:
         saved = harness.wait_for(
             lambda: [e for e in harness.Run(0, "", "", first).events("checkpoint") if e["step"] >= 8], 150,
             "a sharded checkpoint of step 8 or later",
         )
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, and with it every group
-        proc.communicate()
-        harness.kill_leftovers(first)
+        harness.stop([proc], [first])  # the launcher, and every process of every group
     harness.wait_for(lambda: not harness.alive_workers(first), 30, "every process of the first run gone")
     assert not harness.Run(0, "", "", first).events("finished")
     manifest = json.load(open(os.path.join(saved[0]["location"], "manifest.json")))
@@ -127,11 +121,8 @@ def test_every_group_killed_then_resumed_from_the_sharded_checkpoint_with_two_gr
 
 def test_a_group_of_another_size_is_refused_with_both_sizes_named(tmp_path):
     run_a, run_b = str(tmp_path / "a"), str(tmp_path / "b")
-    a = subprocess.Popen(
-        [sys.executable, "-m", "unbroken", "run", "--run-dir", run_a, "--node-name", "a", "--nproc-per-node", "4",
-         "--group-size", "2", EXAMPLE, "--steps", "400", "--step-delay", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, text=True,
-    )
+    a = harness.start(["run", "--run-dir", run_a, "--node-name", "a", "--nproc-per-node", "4", "--group-size", "2",
+                       EXAMPLE, "--steps", "400", "--step-delay", "0.1"])
     b = None
     try:
         started = harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("coordinator_start"), 60, "node a's coordinator")
@@ -140,20 +131,12 @@ def test_a_group_of_another_size_is_refused_with_both_sizes_named(tmp_path):
         with open(token_file) as f:
             token = json.load(f)["token"]
         harness.wait_for(lambda: harness.Run(0, "", "", run_a).events("step"), 90, "node a to train")
-        b = subprocess.Popen(
-            [sys.executable, "-m", "unbroken", "run", "--run-dir", run_b, "--node-name", "b", "--coordinator",
-             f"127.0.0.1:{started[0]['port']}", "--token", token, "--nproc-per-node", "3", "--group-size", "3",
-             EXAMPLE, "--steps", "400", "--step-delay", "0.1"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, text=True,
-        )
+        b = harness.start(["run", "--run-dir", run_b, "--node-name", "b", "--coordinator", f"127.0.0.1:{started[0]['port']}",
+                           "--token", token, "--nproc-per-node", "3", "--group-size", "3", EXAMPLE, "--steps", "400",
+                           "--step-delay", "0.1"])
         out_b, _ = b.communicate(timeout=120)
     finally:
-        for proc in (a, b):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-        harness.kill_leftovers(run_a)
-        harness.kill_leftovers(run_b)
+        harness.stop([a, b], [run_a, run_b])
     assert b.returncode == 2, out_b[-3000:]
     refusals = harness.Run(0, "", "", run_a).events("refused")
     assert refusals and refusals[0]["member"].startswith("b.w0"), refusals
