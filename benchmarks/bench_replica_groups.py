@@ -41,7 +41,7 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.common import exit_with_parent, run_spawned, save_results  # noqa: E402
+from benchmarks.common import exit_with_parent, processes_naming, run_spawned, save_results  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "fsdp_step.py")
 GROUP_SIZE = 2
@@ -133,21 +133,6 @@ def heal_figures(events: list[dict[str, Any]], slot: int = KILLED_SLOT, group_si
 # -- running the jobs -------------------------------------------------------------------------------
 
 
-def _processes_naming(run_dir: str) -> list[int]:
-    """Processes whose environment names ``run_dir`` (an unbroken run's workers)."""
-    marker = f"UNBROKEN_RUN_DIR={os.path.abspath(run_dir)}\0".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if marker in f.read() + b"\0":
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -184,7 +169,7 @@ def run_bounded(cmd: list[str], timeout: float, run_dir: str | None = None,
             _kill_group(proc.pid)
             proc.wait()
             if run_dir is not None:
-                for pid in _processes_naming(run_dir):
+                for pid in processes_naming(run_dir):
                     _kill_group(pid)
                     try:
                         os.kill(pid, signal.SIGKILL)

@@ -68,3 +68,19 @@ def run_spawned(target: Callable[..., Any], args: list[tuple], limit: float = 18
                 child.kill()
                 child.join()
     return [child.exitcode for child in children]
+
+
+def processes_naming(run_dir: str) -> list[int]:
+    """Processes whose environment names ``run_dir``: the workers an unbroken run started, including
+    one spawned in the instant before its launcher was killed (no event names it yet)."""
+    marker = f"UNBROKEN_RUN_DIR={os.path.abspath(run_dir)}\0".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker in f.read() + b"\0":
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import exit_with_parent  # noqa: E402,F401  (for spawned test workers too)
+from benchmarks.common import processes_naming as _processes_of
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 EXACT = os.path.join(SCRIPTS, "train_exact.py")
@@ -49,22 +50,6 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def _processes_of(run_dir: str) -> list[int]:
-    """Processes whose environment names this run directory: the workers the run's launcher
-    started, including one spawned in the instant before its launcher was killed (no event yet)."""
-    marker = f"UNBROKEN_RUN_DIR={os.path.abspath(run_dir)}\0".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if marker in f.read() + b"\0":
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 def kill_leftovers(run_dir: str) -> list[int]:
