@@ -141,7 +141,9 @@ benchmark of record must be interleaved and repeated. `--steps 5 --hidden 64 --g
   (in the foreground); a resume loads with `load_sharded` in the group at index 0, which heals the
   others as a plain resume does.
 
-Not done: overlapping the cross-group reduction with backward (`set_all_reduce_hook`), groups
+The cross-group reduction overlaps the backward without `set_all_reduce_hook`: FSDP2 calls a
+sharded parameter's post-accumulate-grad hooks once its reduce-scatter has landed, and the
+reducer's buckets start as their shards become final, as for plain members. Not done: groups
 spanning nodes, anything on a GPU.
 """
 
