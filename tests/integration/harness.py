@@ -121,15 +121,14 @@ def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
     )
 
 
-def stop(procs: list[subprocess.Popen | None], run_dirs: list[str]) -> None:
+def stop(procs: list[subprocess.Popen | None], run_dirs: list[str]) -> list[int]:
     """SIGKILL every launcher of ``procs`` still running (with its session) and every worker of
-    ``run_dirs`` still alive, and reap the launchers."""
+    ``run_dirs`` still alive, and reap the launchers; returns the workers that had to be killed."""
     for proc in procs:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    for run_dir in run_dirs:
-        kill_leftovers(run_dir)
+    return [pid for run_dir in run_dirs for pid in kill_leftovers(run_dir)]
 
 
 def single_process(out_dir: str, *args: str, timeout: float = 120.0) -> dict[str, torch.Tensor]:

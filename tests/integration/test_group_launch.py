@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -52,10 +51,7 @@ def test_a_failing_process_ends_and_restarts_its_whole_group_and_no_other(tmp_pa
         open(os.path.join(out, "done"), "w").close()
         stdout, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        leftovers = harness.kill_leftovers(run_dir)
+        leftovers = harness.stop([proc], [run_dir])
     assert leftovers == []
     assert proc.returncode == 1 and "workers exited before the job finished" in stderr, stdout + stderr
     records = _records(out)
@@ -139,10 +135,7 @@ def test_sigterm_to_the_launcher_stops_every_process_of_every_group(tmp_path):
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        leftovers = harness.kill_leftovers(run_dir)
+        leftovers = harness.stop([proc], [run_dir])
     assert proc.returncode == 143 and "stopped by SIGTERM" in stderr, stdout + stderr
     assert leftovers == [] and not any(harness._running(pid) for pid in pids)
     assert not [n for n in os.listdir(out) if n.endswith(".exit")]  # none ended normally

@@ -25,10 +25,7 @@ def test_a_signal_to_the_launcher_stops_every_worker_and_exits_with_its_code(tmp
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        leftovers = harness.kill_leftovers(run_dir)
+        leftovers = harness.stop([proc], [run_dir])
     assert proc.returncode == code, err
     assert f"stopped by {signal.Signals(sig).name}" in err
     assert leftovers == []
