@@ -84,9 +84,8 @@ class Checkpointing:
         now = time.monotonic()
         self._account_save_cost(now)
         due = job.next_step < (job.total or 0) and self.schedule.due(job.next_step, now)
-        if job._group is not None and job._group.grouped:
-            due = job._group.agree([float(due)])[0] > 0  # the processes of a group write together or not at all
-        if due:
+        _, (wanted,) = job._vote(True, job.generation, [float(due)])  # a replica group writes together or not at all
+        if wanted > 0:
             self.save()
 
     def _account_save_cost(self, now: float) -> None:
@@ -116,13 +115,12 @@ class Checkpointing:
         group = job._joiner.group
         meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id]}
         if job._group is not None:
-            started = time.monotonic()
             with job._joiner.busy("sharded checkpoint write"):
-                self._save_sharded(meta)
+                seconds = self._save_sharded(meta)
             if self.schedule is not None:
                 self.schedule.began(time.monotonic())
                 # written in the foreground: the whole write is what it cost (--checkpoint-every auto)
-                self._save_cost, self._save_cost_pending = time.monotonic() - started, True
+                self._save_cost, self._save_cost_pending = seconds, True
             return
         with job._joiner.busy("checkpoint snapshot"):
             stall = self.saver.save(job.next_step, job._state(), meta)
@@ -142,18 +140,20 @@ class Checkpointing:
         from unbroken.sharded_checkpoint import TrainingState
 
         job = self.job
-        state: dict[str, Any] = {"train": TrainingState(job.model, job.optimizer)}
-        for name, part in (("scheduler", job.scheduler), ("extra", job.extra_state), ("scaler", job.scaler)):
-            if part is not None:
-                state[name] = part.state_dict()
-        return state
+        return {"train": TrainingState(job.model, job.optimizer), **{name: part.state_dict() for name, part in self._parts()}}
+
+    def _parts(self) -> list[tuple[str, Any]]:
+        """The job's other stateful parts that it has: scheduler, extra state, scaler."""
+        job = self.job
+        return [(n, p) for n, p in (("scheduler", job.scheduler), ("extra", job.extra_state), ("scaler", job.scaler)) if p is not None]
 
     def _plan(self) -> dict[str, int]:
         plan = self.job.plan
         return {"global_batch_size": plan.global_batch_size, "seed": plan.seed, "dataset_len": plan.dataset_len}
 
-    def _save_sharded(self, meta: dict[str, Any]) -> None:
-        """Every process of the group writes its shard; process 0 publishes the manifest."""
+    def _save_sharded(self, meta: dict[str, Any]) -> float:
+        """Every process of the group writes its shard; process 0 publishes the manifest. Returns
+        the seconds it took (training waited for all of it)."""
         from unbroken.sharded_checkpoint import save_sharded
 
         job = self.job
@@ -161,10 +161,11 @@ class Checkpointing:
         meta = {**meta, "runtime": {"next_step": job.next_step, "lineage": list(job.lineage)}, "plan": self._plan()}
         location = save_sharded(job.checkpoint.directory, job.next_step, self._sharded_state(), meta=meta,
                                 model=job.model, keep=job.checkpoint.keep)
+        seconds = time.monotonic() - started
         if job._group.leader:
-            seconds = time.monotonic() - started  # written in the foreground: all of it is stall
             self._done({"step": job.next_step, "location": location, "stall": seconds, "write_seconds": seconds,
                         "processes": job._group.size})
+        return seconds
 
     def _resume_sharded(self) -> None:
         """Every process of the group loads its shard of the newest sharded checkpoint (any number
@@ -180,9 +181,8 @@ class Checkpointing:
             return
         if manifest.get("plan") != self._plan():
             raise ConfigError(f"the checkpoint was written with the data plan {manifest.get('plan')}, this job has {self._plan()}")
-        for name, part in (("scheduler", job.scheduler), ("extra", job.extra_state), ("scaler", job.scaler)):
-            if part is not None:
-                part.load_state_dict(state[name])
+        for name, part in self._parts():
+            part.load_state_dict(state[name])
         runtime = manifest["runtime"]
         job.next_step, job.lineage = int(runtime["next_step"]), list(runtime["lineage"])
         job._digest = healing.lineage_digest(job.lineage)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -54,8 +55,6 @@ class GroupSettings:
 
     @classmethod
     def from_env(cls) -> "GroupSettings":
-        import os
-
         def number(name: str, kind: Callable[[str], Any], default: Any) -> Any:
             raw = os.environ.get(name, "")
             if not raw:

@@ -353,10 +353,9 @@ class Joiner:
         number = reply["generation"]
         job.generation = number
         self._incarnation = reply.get("incarnation")
-        group_of_processes = self._grouped()
         prefix = reply["prefix"]
-        if self.job._group is not None:
-            prefix = f"{prefix}/shard{self.job._group.rank}"  # process j reduces and heals shard j
+        if job._group is not None:
+            prefix = f"{prefix}/shard{job._group.rank}"  # process j reduces and heals shard j
         if "members" in reply:  # a coordinator that sends the whole list
             members: Any = reply["members"]
         elif self.client is None:  # processes 1..K-1 of a replica group: names only for messages
@@ -385,10 +384,9 @@ class Joiner:
         except GenerationFailed as exc:
             self._store = None  # a broken store connection must not break every later generation
             error = exc
-        if group_of_processes is not None:
-            # the group uses a generation only if every one of its processes built and healed its shard's group
-            agreed, _ = group_of_processes.vote(error is None, number)
-            if error is None and not agreed:
+        # a replica group uses a generation only if every one of its processes built and healed its shard's group
+        agreed, _ = job._vote(error is None, number)
+        if error is None and not agreed:
                 error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
         if error is not None:
             self.report_failure(number, str(error))

@@ -281,14 +281,20 @@ class Job:
         finally:
             self._stop(finished)
 
+    def _vote(self, ok: bool, generation: int, extra: list[float] | None = None) -> tuple[bool, list[float]]:
+        """Whether every process of this member is ``ok`` in ``generation``, with the sums of
+        ``extra`` over them: a replica group's vote (:meth:`GroupMember.vote`); alone or as a
+        plain member, this process's own ``ok`` and ``extra``."""
+        if self._group is None:
+            return ok, list(extra or [])
+        return self._group.vote(ok, generation, extra)
+
     def _together(self, ok: bool, what: str) -> bool:
-        """Alone or as a plain member: ``ok``. In a replica group: whether every process is ok;
-        one that is ok while another is not leaves the generation with it, so that the group's
-        processes always run the same collectives (each judges the generation on its own view,
-        and process 0's view reaches the others a few milliseconds later)."""
-        if self._group is None or not self._group.grouped:
-            return ok
-        agreed, _ = self._group.vote(ok, self.generation)
+        """Whether every process of this member is ok (:meth:`_vote`); one that is ok while another
+        of its replica group is not leaves the generation with it, so that the group's processes
+        always run the same collectives (each judges the generation on its own view, and process
+        0's view reaches the others a few milliseconds later)."""
+        agreed, _ = self._vote(ok, self.generation)
         if ok and not agreed and self._joiner.group is not None:
             self._abandon(f"another process of this replica group {what}")
         return agreed

@@ -191,10 +191,9 @@ class Step:
             self._sync_buffers()
         except GenerationFailed as exc:
             error = exc
-        if job._group is not None and job._group.grouped:
-            ok, sums = job._group.vote(error is None, self.generation, sums)
-            if error is None and not ok:
-                error = GenerationFailed(f"step {self.index}: another process of this replica group could not reduce its shard")
+        ok, sums = job._vote(error is None, self.generation, sums)
+        if error is None and not ok:
+            error = GenerationFailed(f"step {self.index}: another process of this replica group could not reduce its shard")
         if error is not None:
             raise error
         flag, loss, count, counting = sums
@@ -262,10 +261,9 @@ class Step:
             except GenerationFailed as exc:
                 reason = str(exc)
             reason = reason or job._joiner.commit_reason(self.generation)
-            if job._group is not None and job._group.grouped:
-                ok, _ = job._group.vote(reason is None, self.generation)
-                if not ok and reason is None:
-                    reason = f"step {self.index} not committed: another process of this replica group may not commit it"
+            ok, _ = job._vote(reason is None, self.generation)
+            if not ok and reason is None:
+                reason = f"step {self.index} not committed: another process of this replica group may not commit it"
             if reason:
                 self.failed, self.error = True, GenerationFailed(reason if reason.startswith("step ") else f"step {self.index} not committed: {reason}")
                 self._discard()
