@@ -143,3 +143,30 @@ def test_a_group_of_another_size_is_refused_with_both_sizes_named(tmp_path):
     assert "group size: 3 here, 2 in the job" in refusals[0]["reason"], refusals[0]["reason"]
     assert "group size: 3 here, 2 in the job" in open(os.path.join(run_b, "workers", "w0.log")).read()
     assert harness.Run(0, "", "", run_b).summary()["workers"][0]["restarts"] == 0  # stopped, not restarted
+
+
+def test_steps_longer_than_every_timeout_lose_only_the_failed_group(tmp_path):
+    # Real shape, scaled down: each step's work takes 1.5 s while the heartbeat timeout, and with it
+    # the group's own watchdog (UNBROKEN_GROUP_TIMEOUT), is 1 s. A kill in one group must cost only
+    # that group: no healthy process may be taken for silent while its training thread computes.
+    steps = 12
+    out = str(tmp_path / "single")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    subprocess.run([sys.executable, EXAMPLE, "--steps", str(steps), "--out", out], check=True, timeout=120, env=env,
+                   capture_output=True)
+    reference = torch.load(os.path.join(out, "single.pt"))
+    run_dir = str(tmp_path / "run")
+    run = harness.unbroken(
+        run_dir, "--nproc-per-node", "4", "--group-size", "2", "--record-samples", "--heartbeat-interval", "0.25",
+        "--heartbeat-timeout", "1", "--chaos", "kill@step,rank=3,step=3",
+        EXAMPLE, "--steps", str(steps), "--step-delay", "1.5", "--out", f"{run_dir}/final", timeout=240.0,
+    )
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
+    workers = {w["local_rank"]: w for w in run.summary()["workers"]}
+    assert workers[0]["restarts"] == 0 and [e["code"] for e in workers[0]["exits"]] == [0], workers[0]
+    assert workers[1]["restarts"] == 1 and workers[1]["exits"][0]["how"] == "process 1 of 2: killed by SIGKILL", workers[1]
+    assert not [e for e in run.events("fault") if e["fault"] != "kill"]
+    harness.check_exactly_once(run_dir, steps, GLOBAL)
+    finals = harness.final_params(f"{run_dir}/final")
+    assert finals and all(harness.max_relative_difference(p, reference) < 1e-8 for p in finals.values()), sorted(finals)
