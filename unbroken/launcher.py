@@ -60,6 +60,15 @@ from unbroken.workers import Worker, WorkerProcesses, WorkerState, _describe_exi
 log = logging.getLogger(__name__)
 
 
+
+def new_token() -> str:
+    """A fresh secret for an embedded coordinator: 192 random bits as 48 hex digits, so that it
+    can be passed as ``--token TOKEN`` (a URL-safe token starts with ``-`` one time in 64, and
+    argparse then takes it for a flag)."""
+    import secrets
+
+    return secrets.token_hex(24)
+
 class Launcher(WorkerProcesses, EmbeddedCoordinator):
     """Runs one node of a job; :meth:`run` returns the process exit code."""
 
@@ -75,15 +84,13 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         self.workers = [Worker(i, SlotBudget(policy)) for i in range(settings.slots)]
         self.coordinator: Any = None
         self.address = settings.coordinator
-        import secrets
-
         # An embedded coordinator that only this machine can reach gets a token of its own unless
         # one is given: only this launcher's workers (and whoever reads the run directory's token
         # file) can speak to it. One that other nodes reach (SLURM, --coordinator-host 0.0.0.0)
         # needs a token they share: the one given (UNBROKEN_TOKEN in the job's environment), or
         # none, with a warning.
         local = settings.coordinator_host in ("127.0.0.1", "localhost", "::1")
-        self.token = settings.token or (secrets.token_urlsafe(24) if settings.coordinator is None and local else None)
+        self.token = settings.token or (new_token() if settings.coordinator is None and local else None)
         if settings.coordinator is None and not local and not settings.token:
             print(
                 f"[unbroken] warning: the coordinator listens on {settings.coordinator_host} without a token: anyone who"

@@ -65,7 +65,9 @@ def test_a_node_that_does_not_match_the_job_is_refused_and_stopped_while_the_oth
         harness.stop([a, b], [run_a, run_b])
     assert b.returncode == 2, out_b[-2000:] + err_b[-2000:]
     refusals = harness.Run(0, "", "", run_a).events("refused")
-    assert refusals and refusals[0]["member"].startswith("b.w0")
+    assert refusals and refusals[0]["member"].startswith("b.w0"), (
+        out_b[-2000:] + err_b[-2000:] + "\n" + "\n".join(json.dumps(e) for e in harness.Run(0, "", "", run_a).events() if e["kind"] != "step")[-4000:]
+    )
     assert difference in refusals[0]["reason"], refusals[0]["reason"]
     assert "does not match the job" in out_b + err_b
     worker_log = open(os.path.join(run_b, "workers", "w0.log")).read()

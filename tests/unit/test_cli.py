@@ -260,3 +260,16 @@ def test_under_srun_the_expected_members_count_replica_groups(script):
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu01"}
     args = build_parser().parse_args(["run", "--nproc-per-node", "4", "--group-size", "2", script])
     assert launch_settings(args, env).expected_members == 6  # 3 nodes x 2 groups
+
+
+def test_a_generated_token_can_be_passed_back_on_the_command_line(script):
+    # A token the launcher makes is copied into other nodes' `--token TOKEN`; one starting with
+    # "-" was taken by argparse for a flag (exit 2), one time in 64 with URL-safe tokens.
+    from unbroken.launcher import new_token
+
+    tokens = {new_token() for _ in range(2000)}
+    assert len(tokens) == 2000 and min(map(len, tokens)) >= 32
+    parser = build_parser()
+    for token in tokens:
+        assert parser.parse_args(["run", "--token", token, script]).token == token
+        assert parser.parse_args(["status", "h:1", "--token", token]).token == token
