@@ -353,22 +353,29 @@ class Saver:
         started = time.perf_counter()
         try:
             landed()  # the device-to-host copies of a GPU state, queued by save()
-            buffer = MemoryFile(capacity=_tensor_bytes(copy) + (1 << 20))
-            torch.save(copy, buffer)
-            del copy
-            location = self.store.write(step, buffer.getbuffer(), meta, before_manifest=lambda: self.fault(step))
-            deleted = self.store.retain(self.keep, just_written=step)
-            self.on_done(
-                {"step": step, "location": location, "bytes": buffer.getbuffer().nbytes, "stall": stall,
-                 "write_seconds": time.perf_counter() - started, "deleted": deleted}
-            )
+            written = self._write(step, copy, meta)
+            if written is not None:
+                self.on_done({"step": step, "stall": stall, "write_seconds": time.perf_counter() - started, **written})
         except BaseException as exc:  # reported, never raised into training
             self.error = exc
-            log.error("checkpoint of step %d failed: %s", step, exc)
-            print(f"unbroken: error: checkpoint of step {step} failed: {exc}", flush=True)
+            log.error("%s of step %d failed: %s", self.what, step, exc)
+            print(f"unbroken: error: {self.what} of step {step} failed: {exc}", flush=True)
         finally:
             if pool is not None:
                 pool.give_back()
+
+    what = "checkpoint"
+    """What this saver writes, for its messages."""
+
+    def _write(self, step: int, copy: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] | None:
+        """Write and publish ``copy`` (and empty it as soon as it is serialised, so that a large
+        state is not held twice); the fields of the ``checkpoint`` event, or None for no event."""
+        buffer = MemoryFile(capacity=_tensor_bytes(copy) + (1 << 20))
+        torch.save(copy, buffer)
+        copy.clear()
+        location = self.store.write(step, buffer.getbuffer(), meta, before_manifest=lambda: self.fault(step))
+        deleted = self.store.retain(self.keep, just_written=step)
+        return {"location": location, "bytes": buffer.getbuffer().nbytes, "deleted": deleted}
 
     def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:

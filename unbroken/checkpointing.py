@@ -48,7 +48,12 @@ class Checkpointing:
         from unbroken.checkpoint import CheckpointStore, Saver, Schedule
 
         self.store = CheckpointStore(job.checkpoint.directory)
-        self.saver = Saver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s))
+        if job._group is not None:
+            from unbroken.sharded_checkpoint import ShardedSaver
+
+            self.saver = ShardedSaver(self.store, job.checkpoint.keep, self._done, job._group.checkpoint_group, job.model)
+        else:
+            self.saver = Saver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s))
         if job.checkpoint.every is not None:
             self.schedule = Schedule(job.checkpoint.every, job.checkpoint.mtbf, time.monotonic())
         if resume:
@@ -84,9 +89,10 @@ class Checkpointing:
         now = time.monotonic()
         self._account_save_cost(now)
         due = job.next_step < (job.total or 0) and self.schedule.due(job.next_step, now)
-        _, (wanted,) = job._vote(True, job.generation, [float(due)])  # a replica group writes together or not at all
+        # a replica group writes together or not at all: not while any of its processes still writes
+        _, (wanted, writing) = job._vote(True, job.generation, [float(due), float(self.saver.busy())])
         if wanted > 0:
-            self.save()
+            self.save(skip=writing > 0)
 
     def _account_save_cost(self, now: float) -> None:
         """What a save costs training: its stall plus how much longer the steps took while it was
@@ -108,22 +114,18 @@ class Checkpointing:
             return  # the step that saw the write finish is not a healthy sample
         self._step_ema = seconds if self._step_ema is None else 0.9 * self._step_ema + 0.1 * seconds
 
-    def save(self) -> None:
+    def save(self, skip: bool = False) -> None:
         """Snapshot the state and write it in the background; skipped (never waited for) while
-        the previous write is still running, so that a slow store never holds up a collective."""
+        the previous write is still running, so that a slow store never holds up a collective.
+        A replica group's processes each write their shards (:class:`ShardedSaver`)."""
         job = self.job
         group = job._joiner.group
         meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id]}
         if job._group is not None:
-            with job._joiner.busy("sharded checkpoint write"):
-                seconds = self._save_sharded(meta)
-            if self.schedule is not None:
-                self.schedule.began(time.monotonic())
-                # written in the foreground: the whole write is what it cost (--checkpoint-every auto)
-                self._save_cost, self._save_cost_pending = seconds, True
-            return
+            meta.update(runtime={"next_step": job.next_step, "lineage": list(job.lineage)}, plan=self._plan())
         with job._joiner.busy("checkpoint snapshot"):
-            stall = self.saver.save(job.next_step, job._state(), meta)
+            state = self._sharded_state() if job._group is not None else job._state()
+            stall = None if skip else self.saver.save(job.next_step, state, meta)
         if self.schedule is not None:
             self.schedule.began(time.monotonic())  # a skipped save waits for the next interval too
         if stall is None:
@@ -150,22 +152,6 @@ class Checkpointing:
     def _plan(self) -> dict[str, int]:
         plan = self.job.plan
         return {"global_batch_size": plan.global_batch_size, "seed": plan.seed, "dataset_len": plan.dataset_len}
-
-    def _save_sharded(self, meta: dict[str, Any]) -> float:
-        """Every process of the group writes its shard; process 0 publishes the manifest. Returns
-        the seconds it took (training waited for all of it)."""
-        from unbroken.sharded_checkpoint import save_sharded
-
-        job = self.job
-        started = time.monotonic()
-        meta = {**meta, "runtime": {"next_step": job.next_step, "lineage": list(job.lineage)}, "plan": self._plan()}
-        location = save_sharded(job.checkpoint.directory, job.next_step, self._sharded_state(), meta=meta,
-                                model=job.model, keep=job.checkpoint.keep)
-        seconds = time.monotonic() - started
-        if job._group.leader:
-            self._done({"step": job.next_step, "location": location, "stall": seconds, "write_seconds": seconds,
-                        "processes": job._group.size})
-        return seconds
 
     def _resume_sharded(self) -> None:
         """Every process of the group loads its shard of the newest sharded checkpoint (any number

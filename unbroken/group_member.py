@@ -35,6 +35,10 @@ from unbroken.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_TIMEOUT = 3600.0
+"""Seconds a process of a group waits in a sharded checkpoint's collectives for the others'
+writes (a slow store's minutes, not the collective timeout of a step)."""
+
 __all__ = ["GroupMember", "GroupSettings", "current", "group_mesh"]
 
 
@@ -108,6 +112,10 @@ class GroupMember:
                 f"torch.distributed is already initialized with {dist.get_world_size()} processes, but this replica group"
                 f" has {settings.size}: call unbroken.group_mesh() instead of init_process_group"
             )
+        # Sharded checkpoints are written in the background over a process group of their own,
+        # while FSDP's collectives go on over the default one; a write may take as long as the
+        # store needs (a process of the group that dies ends the whole group anyway).
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CHECKPOINT_TIMEOUT))
 
     @property
     def leader(self) -> bool:

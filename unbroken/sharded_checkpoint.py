@@ -43,12 +43,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from unbroken.checkpoint import MANIFEST, CheckpointCorrupt, CheckpointStore, _versions
+from unbroken.checkpoint import MANIFEST, CheckpointCorrupt, CheckpointStore, Saver, _versions
 from unbroken.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "CheckpointCorrupt", "CheckpointMismatch", "TrainingState", "load_sharded", "save_sharded"]
+__all__ = ["FORMAT", "CheckpointCorrupt", "CheckpointMismatch", "ShardedSaver", "TrainingState", "load_sharded", "save_sharded"]
 
 FORMAT = "dcp/1"
 """The manifest's ``format``: a DCP checkpoint (a plain checkpoint's is the integer 1)."""
@@ -209,6 +209,39 @@ def save_sharded(
         except OSError as exc:  # the checkpoint is published; older ones stay until the next save
             log.warning("retention after the checkpoint of step %d failed: %s", step, exc)
     return location
+
+
+class ShardedSaver(Saver):
+    """Writes sharded checkpoints in the background, one in flight, as :class:`Saver` writes plain
+    ones: :meth:`save` returns once this process's shards are copied to host memory, and a thread
+    then writes them with :func:`save_sharded` over ``group``, a process group of the replica
+    group's processes kept for checkpoints (FSDP's collectives go on over the default one
+    meanwhile), so that a store that takes a minute never holds up a step.
+
+    Every process of the group must save the same steps: a process that started a write alone
+    would wait in its collectives for the others. So the group agrees before each save that it is
+    due and that no process still writes (the runtime votes on both)."""
+
+    def __init__(self, store: CheckpointStore, keep: int, on_done: Any, group: dist.ProcessGroup | None,
+                 model: torch.nn.Module | None = None) -> None:
+        super().__init__(store, keep, on_done)
+        self.group = group
+        self.model = model
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> float | None:
+        """Copy ``state`` (``Stateful`` values, e.g. :class:`TrainingState`, as their state dicts)
+        to host memory and start writing it; None (nothing done) if the previous write still runs."""
+        if self.busy():
+            return None
+        resolved = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        return super().save(step, resolved, meta)
+
+    what = "sharded checkpoint"
+
+    def _write(self, step: int, copy: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] | None:
+        location = save_sharded(self.store.url, step, copy, self.group, meta, model=self.model, keep=self.keep)
+        peers = _Group(self.group)
+        return {"location": location, "processes": peers.size} if peers.rank == 0 else None
 
 
 def _where_to_write(store: CheckpointStore, name: str, peers: _Group) -> str:

@@ -21,6 +21,13 @@ def snapshot(state: Any, pool: "PinnedPool | None" = None) -> Any:
     optimizer's) run after the copy, so training can go on at once."""
     if isinstance(state, torch.Tensor):
         tensor = state.detach()
+        if tensor.device.type == "cuda" and hasattr(tensor, "to_local"):
+            # a DTensor (FSDP2's sharded parameters): copy only this process's shard and keep
+            # its place in the global tensor, so that a sharded checkpoint can be written from it
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(snapshot(tensor.to_local(), pool), tensor.device_mesh, tensor.placements,
+                                      shape=tensor.shape, stride=tensor.stride(), run_check=False)
         if tensor.device.type == "cuda":
             host = pool.take(tensor) if pool is not None else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)

@@ -18,19 +18,23 @@ from tests.integration import harness
 pytestmark = pytest.mark.slow
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_fsdp.py")
+SLOW_STORE = os.path.join(harness.SCRIPTS, "train_fsdp_slow_store.py")  # the example, with the slowfile:// store
 STEPS = 36
 GLOBAL = 24
 HEARTBEAT_TIMEOUT = 3.0  # the launcher's default: what a silent member costs before a verdict
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The reference: one plain process (a group of one), the whole global batch every step."""
-    out = str(tmp_path_factory.mktemp("single"))
+def _reference(out, steps):
+    """The final parameters of one plain process (a group of one), the whole global batch every step."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    subprocess.run([sys.executable, EXAMPLE, "--steps", str(STEPS), "--out", out], check=True, timeout=120, env=env,
+    subprocess.run([sys.executable, EXAMPLE, "--steps", str(steps), "--out", out], check=True, timeout=120, env=env,
                    capture_output=True)
     return torch.load(os.path.join(out, "single.pt"))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _reference(str(tmp_path_factory.mktemp("single")), STEPS)
 
 
 def _run(run_dir, *args, nproc=6, timeout=240.0):
@@ -150,11 +154,7 @@ def test_steps_longer_than_every_timeout_lose_only_the_failed_group(tmp_path):
     # the group's own watchdog (UNBROKEN_GROUP_TIMEOUT), is 1 s. A kill in one group must cost only
     # that group: no healthy process may be taken for silent while its training thread computes.
     steps = 12
-    out = str(tmp_path / "single")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    subprocess.run([sys.executable, EXAMPLE, "--steps", str(steps), "--out", out], check=True, timeout=120, env=env,
-                   capture_output=True)
-    reference = torch.load(os.path.join(out, "single.pt"))
+    reference = _reference(str(tmp_path / "single"), steps)
     run_dir = str(tmp_path / "run")
     run = harness.unbroken(
         run_dir, "--nproc-per-node", "4", "--group-size", "2", "--record-samples", "--heartbeat-interval", "0.25",
@@ -170,3 +170,42 @@ def test_steps_longer_than_every_timeout_lose_only_the_failed_group(tmp_path):
     harness.check_exactly_once(run_dir, steps, GLOBAL)
     finals = harness.final_params(f"{run_dir}/final")
     assert finals and all(harness.max_relative_difference(p, reference) < 1e-8 for p in finals.values()), sorted(finals)
+
+
+def test_a_store_slower_than_the_collective_timeout_holds_up_no_group(tmp_path):
+    # Real shape, scaled down: every file a sharded checkpoint writes takes 3 s longer to close,
+    # and the collective timeout is 3 s; process 0 of the writing group writes its shard, DCP's
+    # metadata and the manifest, 9 s or more. Written in the foreground, the other group waited
+    # for it in its next allreduce until that timed out and the generation broke.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from unbroken.checkpoint import CheckpointStore
+
+    steps = 16
+    reference = _reference(str(tmp_path / "single"), steps)
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    run = harness.unbroken(
+        run_dir, "--nproc-per-node", "4", "--group-size", "2", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "1",
+        "--progress-timeout", "1.5", "--collective-timeout", "3", "--checkpoint-dir", f"slowfile://{ckpt}",
+        "--checkpoint-every", "4", SLOW_STORE, "--steps", str(steps), "--step-delay", "0.2", "--out", f"{run_dir}/final",
+        env={"UNBROKEN_TEST_WRITE_SECONDS": "3"}, timeout=240.0,
+    )
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
+    assert run.events("failure") == [] and [e for e in run.events("verdict") if "explains" not in e] == []
+    assert len(run.events("generation")) == 1
+    assert all(w["restarts"] == 0 for w in run.summary()["workers"])
+    assert run.events("checkpoint_skipped"), "the saves due while a write ran should have been skipped"
+    written = run.events("checkpoint")
+    assert [e["step"] for e in written][-1] == steps and all(e["processes"] == 2 for e in written), written
+    assert max(e["write_seconds"] for e in written) > 3 * 2  # slower than the collective timeout, twice
+    # the final checkpoint is the final model, as users' tools read it
+    store = CheckpointStore(ckpt)
+    assert store.steps()[0] == steps
+    dcp_to_torch_save(f"{ckpt}/{store.name(steps)}", str(tmp_path / "final.pt"))
+    saved = torch.load(str(tmp_path / "final.pt"))["train"]["model"]
+    finals = harness.final_params(f"{run_dir}/final")
+    assert len(finals) == 2
+    for params in finals.values():
+        assert saved.keys() == params.keys() and all(torch.equal(saved[k], params[k]) for k in saved)
+        assert harness.max_relative_difference(params, reference) < 1e-8

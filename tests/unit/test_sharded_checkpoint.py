@@ -16,6 +16,7 @@ from unbroken.sharded_checkpoint import (
     FORMAT,
     CheckpointCorrupt,
     CheckpointMismatch,
+    ShardedSaver,
     TrainingState,
     load_sharded,
     save_sharded,
@@ -215,6 +216,56 @@ def test_an_fsdp2_state_in_a_one_process_group_round_trips(tmp_path):
         assert manifest is not None and manifest["step"] == 2
         for a, b in zip(_flat(fresh, fresh_opt), _flat(model, opt), strict=True):
             assert torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a, b.full_tensor() if hasattr(b, "full_tensor") else b)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_background_saver_writes_the_state_of_its_step_while_training_goes_on(tmp_path, monkeypatch):
+    import threading
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unbroken import sharded_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = _model(0)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def train():
+            model(torch.ones(3, 4, dtype=torch.float64)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        train()
+        at_save = [p.full_tensor().clone() for p in model.parameters()]
+        trained_on = threading.Event()
+        real_save = sharded_checkpoint.save_sharded
+
+        def held_until_training_went_on(*args, **kwargs):
+            assert trained_on.wait(30)
+            return real_save(*args, **kwargs)
+
+        monkeypatch.setattr(sharded_checkpoint, "save_sharded", held_until_training_went_on)
+        done = []
+        saver = ShardedSaver(CheckpointStore(str(tmp_path / "ckpt")), 2, done.append, dist.new_group(backend="gloo"), model)
+        stall = saver.save(1, {"train": TrainingState(model, opt)}, {"generation": 3})
+        assert stall is not None and saver.busy()
+        assert saver.save(2, {"train": TrainingState(model, opt)}, {}) is None  # one write in flight
+        train()  # the next step changes the parameters in place while the write waits
+        trained_on.set()
+        saver.wait(60)
+        assert not saver.busy() and saver.error is None
+        assert [(d["step"], d["processes"]) for d in done] == [(1, 1)] and done[0]["location"].endswith("step-00000001")
+        fresh = _model(9)
+        fully_shard(fresh, mesh=mesh)
+        manifest = load_sharded(str(tmp_path / "ckpt"), {"train": TrainingState(fresh)})
+        assert manifest is not None and manifest["generation"] == 3
+        assert all(torch.equal(p.full_tensor(), q) for p, q in zip(fresh.parameters(), at_save, strict=True))
+        assert not all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), at_save))
     finally:
         dist.destroy_process_group()
 
