@@ -92,6 +92,7 @@ class GroupMember:
         self.relay: Any = None
         self.watchdog: Any = None
         self._store: Any = None
+        self._owns_default_group = False
         if settings.size > 1:
             from unbroken.client import parse_address
 
@@ -107,6 +108,7 @@ class GroupMember:
                 torch.cuda.set_device(local_device())
             dist.init_process_group(backend, store=store, rank=settings.rank, world_size=settings.size,
                                     timeout=datetime.timedelta(seconds=collective_timeout))
+            self._owns_default_group = True
         elif dist.get_world_size() != settings.size:
             raise ConfigError(
                 f"torch.distributed is already initialized with {dist.get_world_size()} processes, but this replica group"
@@ -148,6 +150,21 @@ class GroupMember:
         """Stop watching: a process that finished must not be taken for a silent peer."""
         if self.watchdog is not None:
             self.watchdog.stop()
+
+    def close(self) -> None:
+        """Destroy the process groups this group made (the default one and the checkpoint one),
+        after a clean finish: at interpreter teardown, Gloo's threads could release tensors after
+        Python is gone and abort the process. A group the script made itself is left alone."""
+        global _current
+        self.stop()
+        if self._owns_default_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - at exit: say it, never turn a finish into a crash
+                log.warning("could not destroy the replica group's process groups at exit: %s", exc)
+        self._owns_default_group = False
+        if _current is self:
+            _current = None
 
     def agree(self, values: list[float]) -> list[float]:
         """Sum ``values`` over the group's processes (a collective of all K; alone, the values).

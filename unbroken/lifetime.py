@@ -46,7 +46,10 @@ class ExitGuard:
 
     A group abandoned while a peer hung may still hold pending work; destroying it at interpreter
     exit can abort the process. If any such group exists at exit, the process ends with
-    ``os._exit`` after flushing, with status 1 if an exception escaped, else 0.
+    ``os._exit`` after flushing, with status 1 if an exception escaped, else 0. After a clean
+    finish, a replica group's own process groups are destroyed while the interpreter is still
+    whole: left to its teardown, Gloo's worker threads can release tensors once Python is gone,
+    and the process aborts ("terminate called without an active exception", SIGABRT).
     """
 
     jobs: list[Job] = []
@@ -78,3 +81,7 @@ class ExitGuard:
             # A script that exits with sys.exit(n) after an unfinished job must not look like
             # success; the exact status of such an exit is not known here.
             os._exit(1 if cls.crashed or not cls.finished else 0)
+        if cls.finished and not cls.crashed:
+            for job in cls.jobs:
+                if job._group is not None:
+                    job._group.close()

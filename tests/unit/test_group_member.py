@@ -92,3 +92,25 @@ def test_a_process_of_a_group_that_never_made_its_mesh_is_told_to_call_group_mes
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "did not call unbroken.group_mesh()" in result.stdout
+
+
+def test_close_destroys_only_the_process_groups_the_group_made():
+    result = _run(
+        """
+        import torch.distributed as dist
+        import unbroken
+        from unbroken import group_member
+        unbroken.group_mesh()
+        group = group_member.current()
+        group.close()  # what the runtime does at a clean exit
+        assert not dist.is_initialized() and group_member.current() is None
+        # a script that made torch.distributed's group itself keeps it
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        unbroken.group_mesh()
+        group_member.current().close()
+        assert dist.is_initialized()
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
