@@ -60,7 +60,6 @@ from unbroken.workers import Worker, WorkerProcesses, WorkerState, _describe_exi
 log = logging.getLogger(__name__)
 
 
-
 def new_token() -> str:
     """A fresh secret for an embedded coordinator: 192 random bits as 48 hex digits, so that it
     can be passed as ``--token TOKEN`` (a URL-safe token starts with ``-`` one time in 64, and
@@ -68,6 +67,7 @@ def new_token() -> str:
     import secrets
 
     return secrets.token_hex(24)
+
 
 class Launcher(WorkerProcesses, EmbeddedCoordinator):
     """Runs one node of a job; :meth:`run` returns the process exit code."""
