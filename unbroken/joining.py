@@ -387,7 +387,7 @@ class Joiner:
         # a replica group uses a generation only if every one of its processes built and healed its shard's group
         agreed, _ = job._vote(error is None, number)
         if error is None and not agreed:
-                error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
+            error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
         if error is not None:
             self.report_failure(number, str(error))
             self.graveyard.park(group)
