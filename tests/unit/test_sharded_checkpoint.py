@@ -4,6 +4,7 @@ in tests/integration/test_sharded_checkpoint.py)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -218,6 +219,7 @@ def test_an_fsdp2_state_in_a_one_process_group_round_trips(tmp_path):
             assert torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a, b.full_tensor() if hasattr(b, "full_tensor") else b)
     finally:
         dist.destroy_process_group()
+        gc.collect()  # the FSDP models' cycles hold the groups: destroy them here, not in a later test's fork
 
 
 def test_the_background_saver_writes_the_state_of_its_step_while_training_goes_on(tmp_path, monkeypatch):
@@ -268,6 +270,7 @@ def test_the_background_saver_writes_the_state_of_its_step_while_training_goes_o
         assert not all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), at_save))
     finally:
         dist.destroy_process_group()
+        gc.collect()  # the FSDP models' cycles hold the groups: destroy them here, not in a later test's fork
 
 
 def test_any_fsspec_url_works_with_the_manifest_written_last(tmp_path):
