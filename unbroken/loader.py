@@ -38,7 +38,6 @@ import atexit
 import collections
 import ctypes
 import functools
-import gc
 import hashlib
 import multiprocessing
 import os
@@ -406,10 +405,6 @@ class Loader:
             # the workers' base seed is drawn from this, not from the training's global generator
             generator=torch.Generator().manual_seed(self.plan.seed),
         )
-        # Collect garbage here, not in the forked workers: a process group that is garbage (an
-        # FSDP model's reference cycle holds its mesh's) would otherwise be destroyed in a worker,
-        # where Gloo's threads do not exist, and its destructor waits on their condition forever.
-        gc.collect()
         self._iterator = iter(self._loader)  # forks the workers; nothing to load yet
         atexit.register(self.close)
 
