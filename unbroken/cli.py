@@ -298,7 +298,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.log_level.upper() == "WARNING":  # the default: the console's own lines say what happens
         logging.getLogger("unbroken.coordinator").setLevel(logging.ERROR)
-    return demo.run(args.run_dir)
+    return demo.run(args.run_dir, demo.STEPS if args.steps is None else args.steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-png", action="store_true", help="do not draw the timeline")
     d = sub.add_parser("demo", help="train the example with 4 workers and a few failures, then show the report")
     d.add_argument("--run-dir", default=None, help="where the run goes (default unbroken-runs/demo-<time>-<pid>)")
+    d.add_argument("--steps", type=int, default=None,
+                   help="train this many steps, the faults at the same fractions of the run (default 400, at least 40)")
     return parser
 
 

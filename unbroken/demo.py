@@ -24,7 +24,18 @@ WORKERS = 4
 # time to rejoin before the end.
 FAULTS = "kill@step,rank=1,step=30;hang@step,rank=2,step=110,for=3;kill@step,rank=3,step=190"
 SCHEDULE = FAULTS + ";slow@commit,rank=0,sleep=0.05"
+"""The default demo's whole chaos schedule."""
 HEARTBEAT_TIMEOUT = 2.0
+MIN_STEPS = 40
+"""The shortest demo: its three faults need room between them and before the end."""
+
+
+def faults(steps: int) -> str:
+    """:data:`FAULTS` for a run of ``steps`` steps: the same faults at the same fractions of the run."""
+    if steps == STEPS:
+        return FAULTS
+    at = lambda step: max(1, step * steps // STEPS)  # noqa: E731
+    return f"kill@step,rank=1,step={at(30)};hang@step,rank=2,step={at(110)},for=3;kill@step,rank=3,step={at(190)}"
 
 _RUNNER = 'import runpy\nrunpy.run_module("unbroken.demo_train", run_name="__main__", alter_sys=True)\n'
 
@@ -43,7 +54,11 @@ def example_script(run_dir: str) -> str:
     return runner
 
 
-def run(run_dir: str | None = None) -> int:
+def run(run_dir: str | None = None, steps: int = STEPS) -> int:
+    """Run the demo for ``steps`` steps (at least :data:`MIN_STEPS`) into ``run_dir``; the
+    launcher's exit code."""
+    if steps < MIN_STEPS:
+        raise ConfigError(f"unbroken demo needs at least {MIN_STEPS} steps to place its faults, got {steps}")
     try:
         import sklearn  # noqa: F401 - the example's data set
     except ImportError:
@@ -56,13 +71,13 @@ def run(run_dir: str | None = None) -> int:
     run_dir = os.path.abspath(run_dir)
     settings = LaunchSettings(
         script=example_script(run_dir),
-        script_args=("--steps", str(STEPS)),
+        script_args=("--steps", str(steps)),
         nproc_per_node=WORKERS,
         run_dir=run_dir,
-        chaos=SCHEDULE,
+        chaos=faults(steps) + ";slow@commit,rank=0,sleep=0.05",
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
     )
-    print(f"[unbroken] demo: {WORKERS} workers, {STEPS} steps, faults {FAULTS!r}; worker 0 sleeps 50 ms a step (compute)", flush=True)
+    print(f"[unbroken] demo: {WORKERS} workers, {steps} steps, faults {faults(steps)!r}; worker 0 sleeps 50 ms a step (compute)", flush=True)
     code = Launcher(settings).run()
     print(flush=True)
     try:

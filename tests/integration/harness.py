@@ -142,6 +142,21 @@ def final_params(out_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     return {os.path.basename(p)[:-3]: torch.load(p) for p in sorted(glob.glob(os.path.join(out_dir, "*.pt")))}
 
 
+def check_same_model(out_dir: str, reference: dict[str, torch.Tensor], members: int, prefix: str = "",
+                     tolerance: float = 1e-8) -> float:
+    """Exactly ``members`` members whose names start with ``prefix`` wrote their final parameters
+    to ``out_dir``, and every one equals ``reference`` within ``tolerance`` (relative); returns the
+    worst difference. Counting first means that a run in which nobody wrote cannot pass."""
+    finals = {m: p for m, p in final_params(out_dir).items() if m.startswith(prefix)}
+    assert len(finals) == members, f"{len(finals)} members wrote final parameters to {out_dir} ({sorted(finals)}), expected {members}"
+    worst = 0.0
+    for member, params in finals.items():
+        difference = max_relative_difference(params, reference)
+        assert difference < tolerance, f"{member}: relative difference {difference:.3g} from the reference"
+        worst = max(worst, difference)
+    return worst
+
+
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest element-wise relative difference |a - b| / max(|a|, |b|) over every tensor
     (elements that are both exactly zero count as equal)."""

@@ -21,7 +21,8 @@ def test_quick_run_measures_both_variants_and_a_heal(tmp_path):
     result = json.loads(out.read_text())
     trial = result["healthy"]["trials"][0]
     assert trial["unbroken"]["n"] >= 5 and trial["hsdp"]["n"] >= 5
-    assert 0.2 < trial["ratio"] < 5, trial  # both ran the same model; a wild ratio means one did not
+    # docs/benchmarks.md: 1.004x pooled; within 2x of parity both ran the same model at the same cost
+    assert 0.5 < trial["ratio"] < 2.0, trial
     heal = result["heal"]
     run = heal["runs"][0]
     assert set(run["processes"]) == {"0", "1"} and all(p["bytes"] > 1_000_000 for p in run["processes"].values())

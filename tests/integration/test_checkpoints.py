@@ -48,8 +48,7 @@ def test_a_job_killed_whole_resumes_from_its_newest_checkpoint_and_ends_with_the
     assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"resumed from step {newest} of {ckpt}/step-{newest:08d}" in run.stdout
     harness.check_exactly_once([first, second], STEPS, GLOBAL)
-    for member, params in harness.final_params(f"{second}/final").items():
-        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
+    harness.check_same_model(f"{second}/final", reference["single"], members)
     assert CheckpointStore(ckpt).steps()[0] == STEPS  # the final state is saved too
 
 
@@ -67,5 +66,4 @@ def test_a_kill_during_a_save_leaves_no_visible_partial_checkpoint_and_resume_us
                            harness.EXACT, "--steps", str(STEPS), "--out", f"{second}/final")
     assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"resumed from step 5 of {ckpt}/step-00000005" in run.stdout
-    for member, params in harness.final_params(f"{second}/final").items():
-        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
+    harness.check_same_model(f"{second}/final", reference["single"], 4)

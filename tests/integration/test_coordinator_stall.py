@@ -64,5 +64,4 @@ def test_a_two_second_coordinator_stall_makes_nobody_abandon_their_generation(tm
     after = [c for c in commits() if c["t"] > stopped]
     assert after and {c["g"] for c in after} == {held}, after[:5]
     harness.check_exactly_once(run_dir, STEPS, GLOBAL)
-    for member, params in harness.final_params(final).items():
-        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
+    harness.check_same_model(final, reference["single"], 3)

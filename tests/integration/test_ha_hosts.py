@@ -26,6 +26,7 @@ import pytest
 
 from tests.integration import etcd, harness, netns
 from tests.integration.conftest import GLOBAL, STEPS
+from tests.needs import needs
 
 pytestmark = [pytest.mark.slow]
 
@@ -147,7 +148,7 @@ def _status(address: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@needs(REASON)
 def test_the_host_of_both_leaders_lost_whole_the_others_train_on_under_ha(tmp_path, reference):
     """Under --ha (SLURM's environment, the launchers start etcd): the host that runs the leading
     coordinator and etcd's leader loses power; the stall stays within 1 s of the heartbeat timeout."""
@@ -173,7 +174,7 @@ def test_the_host_of_both_leaders_lost_whole_the_others_train_on_under_ha(tmp_pa
     job.check(reference, survivors)
 
 
-@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@needs(REASON)
 def test_a_frozen_leader_serves_nothing_when_woken_and_is_a_candidate_again(tmp_path, reference):
     with _training(tmp_path) as (hosts, cluster, job):
         victim = job.leader()
@@ -202,7 +203,7 @@ def test_a_frozen_leader_serves_nothing_when_woken_and_is_a_candidate_again(tmp_
     job.check(reference, range(3))
 
 
-@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@needs(REASON)
 def test_the_leaders_host_cut_off_the_majority_trains_and_the_cut_side_commits_nothing(tmp_path, reference):
     with _training(tmp_path) as (hosts, cluster, job):
         victim = job.leader()
@@ -220,7 +221,7 @@ def test_the_leaders_host_cut_off_the_majority_trains_and_the_cut_side_commits_n
     job.check(reference, range(3))
 
 
-@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@needs(REASON)
 def test_without_an_etcd_majority_nobody_commits_and_training_resumes_when_it_returns(tmp_path, reference):
     with _training(tmp_path) as (hosts, cluster, job):
         cluster.stop(1)

@@ -12,6 +12,7 @@ import pytest
 
 from tests.integration import harness, netns
 from tests.integration.conftest import GLOBAL, STEPS
+from tests.needs import needs
 
 pytestmark = [pytest.mark.slow]
 
@@ -44,7 +45,7 @@ def _stop_all(procs, dirs):
         harness.kill_leftovers(d)
 
 
-@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@needs(REASON)
 def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, reference):
     base = str(tmp_path)
     coord_dir = os.path.join(base, "coord")
@@ -109,7 +110,7 @@ def test_a_partitioned_host_and_a_lost_node_leave_the_others_training(tmp_path, 
     assert len({e["hash"] for e in events(dirs, "replicas")}) == 1
 
 
-@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@needs(REASON)
 def test_a_host_cut_off_from_the_coordinator_but_not_from_its_peers_commits_nothing_after_its_verdict(tmp_path, reference):
     # The case the lease exists for: host 3 still reaches its peers (its Gloo connections stay up)
     # but not the coordinator. It must stop committing before the others go on without it.

@@ -51,12 +51,21 @@ def _check_same_model(run_dir, single, groups):
         assert harness.max_relative_difference(params, single) < 1e-8, member
 
 
+def _heals(heal, suffix, generations):
+    """Whether ``heal`` sent state to the member whose name ends with ``suffix``: by name (the
+    group's process 0), or by its rank in the heal's generation (processes j > 0 know their peers
+    only as ``rank{i}``)."""
+    members = next((g["members"] for g in generations if g["generation"] == heal["generation"]), [])
+    names = {f"rank{i}" for i, m in enumerate(members) if m.endswith(suffix)}
+    return any(r.endswith(suffix) or r in names for r in heal["receivers"])
+
+
 def _check_group_replaced(run, slot, groups):
     workers = {w["local_rank"]: w for w in run.summary()["workers"]}
     assert workers[slot]["restarts"] == 1, workers[slot]
     for other in set(range(groups)) - {slot}:
         assert workers[other]["restarts"] == 0 and [e["code"] for e in workers[other]["exits"]] == [0], workers[other]
-    rejoined = [e for e in run.events("heal") if any(f".w{slot}.r1" in r or r.startswith("rank") for r in e["receivers"])]
+    rejoined = [e for e in run.events("heal") if _heals(e, f".w{slot}.r1", run.events("generation"))]
     senders = {e["source"].endswith(".p1") for e in rejoined}
     assert senders == {False, True}, rejoined  # shard 0 and shard 1 each healed by a live group's process j
     assert all(0 < e["step"] < STEPS for e in rejoined), rejoined  # mid-run, from a live group's state

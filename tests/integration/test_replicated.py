@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.integration import etcd
+from tests.needs import require
 from unbroken.replicated import EtcdGateway, Leadership, LeadershipSettings, NotLeader
 
 pytestmark = pytest.mark.slow
@@ -18,8 +19,7 @@ REASON = etcd.why_not_available()
 
 @pytest.fixture
 def cluster(tmp_path):
-    if REASON:
-        pytest.skip(REASON)
+    require(REASON)
     with etcd.cluster(str(tmp_path)) as made:
         yield made
 
@@ -111,8 +111,7 @@ def test_the_leading_coordinator_killed_the_others_take_over_and_training_goes_o
     from tests.integration.conftest import GLOBAL, STEPS
     from tests.integration.test_hangs import finish, start
 
-    if REASON:
-        pytest.skip(REASON)
+    require(REASON)
     flags = ["--expected-members", "3", "--heartbeat-timeout", "2"]
     run_dir = str(tmp_path / "node")
     procs = []
@@ -151,11 +150,10 @@ def test_the_leading_coordinator_killed_the_others_take_over_and_training_goes_o
             harness.kill_leftovers(run_dir)
     stall = resumed["t"] - killed
     print(f"leader killed: new leader after {took_over[0][1]['t'] - killed:.2f} s, first commit under it after {stall:.2f} s")
-    assert stall < 10, stall
+    assert stall < 5.0, f"{stall:.2f} s; docs/guide/etcd.md documents 2.42 s (2.23-2.46) for this failover"
     new_leader = runs[took_over[0][0]]
     before = runs[first[0]].events("generation")
     after = new_leader.events("generation")
     assert after and min(e["generation"] for e in after) > max(e["generation"] for e in before)  # numbers continue from etcd
     harness.check_exactly_once(run_dir, STEPS, GLOBAL)
-    for member, params in harness.final_params(f"{run_dir}/final").items():
-        assert harness.max_relative_difference(params, reference["single"]) < 1e-8, member
+    harness.check_same_model(f"{run_dir}/final", reference["single"], 3)

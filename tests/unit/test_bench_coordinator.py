@@ -21,8 +21,12 @@ def test_twenty_simulated_members_form_heartbeat_and_reform_after_a_kill(survivo
         sys.path.pop(0)
     args = argparse.Namespace(interval=0.5, timeout=10.0, steady=1.0, limit=20.0, survivors=survivors)
     row = bench_coordinator.run_size(20, args, ROOT)
-    assert row["form_s"] is not None and row["form_s"] < 10
-    assert row["reform_s"] is not None and row["reform_s"] < 5
+    # docs/guide/scale.md: 100 members form in 0.05-0.07 s and re-form in 0.03-0.05 s; 20 measured
+    # 0.01-0.06 s and 0.005-0.025 s here with the other core busy. The bounds leave room for a
+    # loaded 2-core machine and stay 40x below the 10 s heartbeat timeout that a missed kill costs;
+    # the figures themselves are bench_coordinator.py's.
+    assert row["form_s"] is not None and row["form_s"] < 0.5, row
+    assert row["reform_s"] is not None and row["reform_s"] < 0.25, row
     assert row["heartbeats_per_s"] > 0 and row["request_errors"] == 0
     assert row["heartbeat_p99_ms"] is not None and row["coordinator_cpu_s_per_s"] > 0 and row["cpu_us_per_member_s"] > 0
     if survivors == "waiting":

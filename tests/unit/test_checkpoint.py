@@ -16,6 +16,7 @@ from unbroken.checkpoint import (
     snapshot,
     young_daly_interval,
 )
+from tests import needs
 from unbroken.errors import ConfigError
 
 
@@ -89,13 +90,29 @@ def test_retention_keeps_the_newest_and_removes_older_leftovers(tmp_path):
 
 
 def test_the_saver_stalls_only_for_the_memory_copy_and_writes_in_the_background(tmp_path):
-    done = []
-    saver = Saver(CheckpointStore(str(tmp_path)), keep=2, on_done=done.append)
+    import threading
+
+    done, held, release = [], threading.Event(), threading.Event()
+
+    def hold(step):  # the write blocks before publishing until the test lets it go
+        held.set()
+        assert release.wait(30), "the test never released the write"
+
+    store = CheckpointStore(str(tmp_path))
+    saver = Saver(store, keep=2, on_done=done.append, fault=hold)
     live = {"model": {"w": torch.zeros(1000)}}
-    saver.save(4, live, {"generation": 1, "members": ["a"]})
-    live["model"]["w"].add_(1.0)  # training goes on; the snapshot must not see this
+    try:
+        stall = saver.save(4, live, {"generation": 1, "members": ["a"]})
+        assert stall is not None and held.wait(30), "the write never started"
+        # save() returned while the write is held: training goes on, and the snapshot must not see it
+        live["model"]["w"].add_(1.0)
+        assert saver.busy() and saver.writing == 4 and store.steps() == [] and not done
+        assert saver.save(5, live, {"generation": 1, "members": ["a"]}) is None  # one write in flight
+    finally:
+        release.set()
     saver.wait(30)
-    assert done and done[0]["step"] == 4 and done[0]["stall"] >= 0 and saver.error is None
+    assert not saver.busy() and saver.error is None
+    assert [d["step"] for d in done] == [4] and done[0]["stall"] == stall
     loaded = CheckpointStore(str(tmp_path)).load_latest()[0]
     assert torch.equal(loaded["model"]["w"], torch.zeros(1000))
 
@@ -165,8 +182,8 @@ def test_a_single_process_job_resumes_from_its_newest_valid_checkpoint(tmp_path,
 
 
 def test_checkpoints_on_s3_save_list_resume_and_retain(tmp_path, monkeypatch):
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
+    moto_server = needs.module("moto.server")
+    needs.module("s3fs")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:

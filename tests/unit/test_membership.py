@@ -402,14 +402,31 @@ def test_decide_keeps_the_previous_order_and_appends_newcomers_by_join_time(situ
     assert newcomers == sorted(newcomers, key=lambda i: (members[i].joined_at, i))
 
 
+@st.composite
+def short_of_expected(draw):
+    """A first formation with nothing in its way but a count below ``expected_members``: every
+    known member waits, at least ``min_members`` of them, fewer than expected."""
+    expected = draw(st.integers(2, 10))
+    min_members = draw(st.integers(1, expected - 1))
+    count = draw(st.integers(min_members, expected - 1))
+    members = {}
+    for i in range(count):
+        joined = draw(st.integers(0, 20)) * 0.5
+        members[f"m{i}"] = Member(f"m{i}", "node", joined_at=joined, last_heartbeat=joined, state=MemberState.WAITING)
+    rules = MembershipSettings(heartbeat_timeout=5.0, expected_members=expected, start_grace=draw(st.integers(1, 60)) * 1.0,
+                               min_members=min_members)
+    return members, rules, draw(st.integers(0, 100)) * 1.0
+
+
 @FAST
-@given(situations())
-def test_decide_forms_the_first_generation_below_expected_only_after_start_grace(situation):
-    members, current, rules, first_wait, now = situation
-    decision = decide(members, None, rules, first_wait, now)
-    if decision.form and len(decision.members) < rules.expected_members:
-        assert first_wait is not None
-        assert now - first_wait >= rules.start_grace
+@given(short_of_expected(), st.floats(0.0, 0.999))
+def test_decide_forms_the_first_generation_below_expected_only_after_start_grace(situation, fraction):
+    members, rules, first_wait = situation
+    assert not decide(members, None, rules, None, first_wait).form  # nobody has waited yet
+    early = first_wait + fraction * rules.start_grace
+    assert not decide(members, None, rules, first_wait, early).form, "formed below expected within the grace"
+    late = decide(members, None, rules, first_wait, first_wait + rules.start_grace)
+    assert late.form and sorted(late.members) == sorted(members), "did not form once the grace was over"
 
 
 @FAST

@@ -54,12 +54,6 @@ def _flat(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tens
     return out
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-
-
 def test_a_saved_state_loads_back_bit_for_bit_with_its_manifest(tmp_path):
     model, opt = _trained()
     where = save_sharded(str(tmp_path), 7, {"train": TrainingState(model, opt), "extra": {"epoch": 3}},
