@@ -15,8 +15,11 @@ A parameter sharded by FSDP2 (a DTensor, in a replica group) contributes its loc
 shard held by process ``j`` of every group is reduced over the generation's group of shard ``j``.
 
 Buckets live on their parameters' device: CUDA gradients are reduced in CUDA memory (by NCCL, or
-by Gloo, which takes CUDA tensors), without a copy through the host. The control slots share the
-first bucket's dtype and device.
+by Gloo, which takes CUDA tensors), without a copy through the host. The control slots ride in the
+first bucket when its dtype holds them exactly enough (float32 or float64: a count exact to 2**24
+or 2**53); with half-precision parameters they get a float64 buffer of their own on the same
+device, reduced right after the first bucket (float16 turned a count of 100,000 into ``inf``,
+bfloat16 a count of 100,003 into 99,840).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from unbroken.group import GenerationGroup
 from unbroken.replica_groups import _local  # a sharded parameter's own part: what replica groups reduce
 
 CONTROL_SLOTS = 4  # [members asking to reconfigure, weighted loss sum, counted total, members counting]
+CONTROL_DTYPES = (torch.float32, torch.float64)
+"""Bucket dtypes that carry the control slots themselves; any other gets a float64 control buffer."""
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -92,6 +97,9 @@ class GradientReducer:
         self._armed = False
         self._next = 0
         self.error: Exception | None = None
+        self.control: torch.Tensor | None = None
+        """The control slots' own float64 buffer, when the first bucket is half precision."""
+        self._control_work: Any = None
         self.ticks = 0
         """Gradients that became final, ever: progress the coordinator's watchdog sees."""
         self._build(bucket_cap_bytes, first_bucket_cap_bytes)
@@ -112,7 +120,9 @@ class GradientReducer:
                 for p in params:
                     offsets.append(total)
                     total += _local(p).numel()
-                control = not self.buckets
+                control = not self.buckets and params[0].dtype in CONTROL_DTYPES
+                if not self.buckets and not control:
+                    self.control = torch.zeros(CONTROL_SLOTS, dtype=torch.float64, device=params[0].device)
                 extra = len(params) + (CONTROL_SLOTS if control else 0)
                 flat = torch.zeros(total + extra, dtype=params[0].dtype, device=params[0].device)
                 bucket = Bucket(params, offsets, total, flat, control=control)
@@ -141,16 +151,26 @@ class GradientReducer:
             bucket.ready = 0
             bucket.work = None
             bucket.launched = False
-        control = self.buckets[0].flat if self.buckets else None
+        self._control_work = None
+        control = self._control_slots()
         if control is not None:
-            base = self.buckets[0].numel + len(self.buckets[0].params)
-            control[base] = 1.0 if reconfigure else 0.0
+            control[0] = 1.0 if reconfigure else 0.0
             if weighted_loss is not None:
-                control[base + 1].copy_(weighted_loss.detach().reshape(()))
+                control[1].copy_(weighted_loss.detach().reshape(()))
             else:
-                control[base + 1] = 0.0
-            control[base + 2] = 0.0 if count is None else count
-            control[base + 3] = 0.0 if count is None else 1.0
+                control[1] = 0.0
+            control[2] = 0.0 if count is None else count
+            control[3] = 0.0 if count is None else 1.0
+
+    def _control_slots(self) -> torch.Tensor | None:
+        """The control slots: a view into the first bucket, or their own float64 buffer."""
+        if self.control is not None:
+            return self.control
+        if not self.buckets:
+            return None
+        first = self.buckets[0]
+        base = first.numel + len(first.params)
+        return first.flat[base : base + CONTROL_SLOTS]
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         self.ticks += 1
@@ -172,6 +192,8 @@ class GradientReducer:
             try:
                 bucket.work = self._group.start_allreduce(bucket.flat)
                 bucket.launched = True
+                if self._next == 1 and self.control is not None:  # every member, right after bucket 0
+                    self._control_work = self._group.start_allreduce(self.control)
             except Exception as exc:  # the group is broken: finish() reports it
                 self.error = exc
 
@@ -195,13 +217,15 @@ class GradientReducer:
             in_flight()
         for i, bucket in enumerate(self.buckets):
             self._group.wait(bucket.work, f"gradient allreduce (bucket {i})")
+        if self._control_work is not None:
+            self._group.wait(self._control_work, "control allreduce")
         for bucket in self.buckets:
             bucket.unpack()
-        if not self.buckets:
+        control = self._control_slots()
+        if control is None:
             return 0.0, 0.0, 0.0, 0.0
-        first = self.buckets[0]
-        base = first.numel + len(first.params)
-        return float(first.flat[base]), float(first.flat[base + 1]), float(first.flat[base + 2]), float(first.flat[base + 3])
+        flag, loss, count, counting = control.tolist()  # one read (one sync on a GPU)
+        return float(flag), float(loss), float(count), float(counting)
 
     def disarm(self) -> None:
         self._armed = False
@@ -219,6 +243,9 @@ class GradientReducer:
             bucket.flat = torch.zeros_like(bucket.flat)
             bucket.work = None
             bucket.launched = False
+        if self.control is not None:
+            self.control = torch.zeros_like(self.control)
+        self._control_work = None
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -106,7 +106,7 @@ class Step:
         self._backwards += 1
         self.job._ticks += 1
         weighted = loss * weight
-        detached = weighted.detach()
+        detached = weighted.detach().to(torch.float64)  # summed in float64 whatever the model's dtype
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         if self._backwards == len(self._micro):
             self._arm()

@@ -1,6 +1,9 @@
 """The gradient reducer's buckets: order, presence, control slots, and fresh buffers after an
 abandoned generation."""
 
+import threading
+
+import pytest
 import torch
 
 from unbroken.gradients import GradientReducer
@@ -46,3 +49,44 @@ def test_an_abandoned_generation_leaves_its_buffers_behind():
         assert bucket.flat.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
         before.fill_(7.0)  # what a stale collective writes later must not reach the new buffer
         assert not bucket.flat.eq(7.0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_control_slots_sum_exactly_whatever_the_parameters_dtype(dtype):
+    """Two members reduce a token-style count and loss sum: the sums are exact, as a single
+    process would count them. In the first bucket's dtype, float16 made a count of 100,003 inf
+    and bfloat16 rounded it to 99,840."""
+    from tests.unit.test_rendezvous import _form
+
+    master, groups, _ = _form(2, prefix="control")
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def member(group):
+        try:
+            m = model().to(dtype)
+            reducer = GradientReducer(list(m.parameters()), bucket_cap_bytes=1 << 20)
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+            reducer.arm(group, reconfigure=group.rank == 1, weighted_loss=torch.tensor(70000.25 + group.rank, dtype=dtype),
+                        count=100003.0 + group.rank)
+            results[group.rank] = (reducer.finish(), [p.grad.float().unique().tolist() for p in m.parameters()])
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(g,)) for g in groups]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        loss = float(torch.tensor(70000.25, dtype=dtype).double() + torch.tensor(70001.25, dtype=dtype).double())
+        for rank in (0, 1):
+            (flag, loss_sum, count, counting), grads = results[rank]
+            assert (flag, count, counting) == (1.0, 200007.0, 2.0), (rank, flag, count, counting)
+            assert loss_sum == loss, (rank, loss_sum, loss)  # each member's loss as given, summed exactly
+            assert all(g == [2.0] for g in grads), grads  # the gradients still reduce in their own dtype
+    finally:
+        for g in groups:
+            g.pg = None

@@ -45,6 +45,8 @@ parser.add_argument("--inf-sample", type=int, default=None, help="this dataset i
 parser.add_argument("--scaler-log", default=None, help="append every commit's (member, step, skipped, scale) here")
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: this worker's GPU (cuda:LOCAL_RANK), deterministic algorithms, TF32 off")
 parser.add_argument("--amp", choices=["fp16", "bf16"], default=None, help="a float32 model whose forward runs under autocast; fp16 implies --scaler")
+parser.add_argument("--half", choices=["float16", "bfloat16"], default=None, help="a model in this dtype, trained with SGD (with --token-loss)")
+parser.add_argument("--count-scale", type=float, default=1.0, help="with --token-loss: each masked output counts this many tokens")
 args = parser.parse_args()
 if args.device == "cuda":
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
@@ -60,7 +62,7 @@ if args.slow_store:
 
 torch.set_num_threads(1)
 torch.manual_seed(1234)
-torch.set_default_dtype(torch.float32 if args.amp else torch.float64)
+torch.set_default_dtype(torch.float32 if args.amp or args.half else torch.float64)
 
 n = 200
 x = torch.randn(n, 6)
@@ -98,6 +100,9 @@ if args.batchnorm:
     layers.insert(1, torch.nn.BatchNorm1d(16))
 model = torch.nn.Sequential(*layers).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+if args.half:  # the gradients are divided by a count of ~count-scale tokens per output: SGD's step scales back
+    model = model.to(getattr(torch, args.half))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2 * args.count_scale)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
 
 job = unbroken.Job(
@@ -150,6 +155,12 @@ for step in job.steps(total=args.steps):
             continue
         if args.misuse == "plain":
             torch.nn.functional.mse_loss(model(xb), yb).backward()
+            continue
+        if args.token_loss and args.half:
+            # a half-precision model; the loss summed in float32 over "tokens" of count-scale each
+            mask = (xb[:, :2] > -0.3).float()
+            err = (model(xb.to(device, getattr(torch, args.half))).float() - yb.float()) ** 2 * mask
+            step.backward(err.sum(), count=mask.sum() * args.count_scale)
             continue
         if args.token_loss:
             # like padded tokens: each sample counts a different number of its outputs
