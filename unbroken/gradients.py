@@ -240,8 +240,9 @@ class GradientReducer:
         """
         self._armed = False
         for bucket in self.buckets:
-            bucket.flat = torch.zeros_like(bucket.flat)
-            bucket.work = None
+            shape, dtype, device = bucket.flat.shape, bucket.flat.dtype, bucket.flat.device
+            bucket.flat = bucket.work = None  # let go of the old buffer before the new one exists
+            bucket.flat = torch.zeros(shape, dtype=dtype, device=device)
             bucket.launched = False
         if self.control is not None:
             self.control = torch.zeros_like(self.control)

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from unbroken.errors import GenerationFailed
+from unbroken.nccl import abort as abort_nccl
+from unbroken.nccl import nccl_environment, prepare_environment  # noqa: F401 - nccl_environment: its old home
 
 
 class Transport:
@@ -61,24 +63,8 @@ def set_transport(backend: str, device: torch.device | str) -> None:
     _transport = Transport(backend, device)
 
 
-def nccl_environment(timeout: float) -> dict[str, str]:
-    """The torch NCCL settings a generation group needs, unless the user set them already.
-
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly): when torch's own watchdog sees a failed
-    or timed-out collective it aborts the communicator but leaves the process alive (1, torch's
-    default, would tear the process down, which is what unbroken exists to avoid).
-    ``TORCH_NCCL_USE_COMM_NONBLOCKING=1``: communicators are made in NCCL's non-blocking mode, so
-    that one whose peer never arrives is still in progress (and can be aborted) instead of
-    blocking its thread inside ``ncclCommInitRank`` for good.
-    ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: non-blocking NCCL calls (init, abort) give up after the
-    collective timeout instead of torch's default 30 minutes, as torchft does."""
-    return {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-        "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
-        "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, int(timeout))),
-    }
-
-
+NCCL_POLL = 0.001
+"""Seconds between two looks at an NCCL work's completion (its future cannot wake the wait)."""
 
 LAZY_CONNECT = os.environ.get("UNBROKEN_GLOO_FULL_MESH", "") in ("", "0")
 """Gloo groups connect their pairs on first use (``lazy_init`` of the Gloo device, what
@@ -153,8 +139,7 @@ class GenerationGroup:
         or an NCCL group (whose communicator is made by its first collective, also watched)."""
         result: list[Any] = []
         if self.backend == "nccl":
-            for key, value in nccl_environment(self.timeout).items():
-                os.environ.setdefault(key, value)  # read by torch when the group is made
+            prepare_environment(self.timeout)  # read by torch when the group is made (the Job set it already)
 
         made: list[Any] = []  # an NCCL group as soon as it exists, to abort if its first collective hangs
         ring: list[Any] = []  # a lazy Gloo group as soon as it exists, then the works connecting its ring
@@ -191,7 +176,7 @@ class GenerationGroup:
         except GenerationFailed:
             if made:  # a peer never arrived: free the half-made communicator (and the helper thread)
                 self.aborted = True
-                _abort_nccl(made[0], self.device)
+                abort_nccl(made[0], self.device)
             if ring:  # a neighbour never connected: let the group be parked with its pending works
                 self.pg, self.works = ring[0], list(ring[1:])
             raise
@@ -204,13 +189,13 @@ class GenerationGroup:
 
     # -- waits ---------------------------------------------------------------------------------
 
-    def _watch(self, done: Callable[[], bool], what: str) -> None:
+    def _watch(self, done: Callable[[], bool], what: str, poll: float = 1.0) -> None:
         if done():
             return
         self._waits += 1
         self._blocked(f"g{self.number}:{self._waits}:{what}")  # for the coordinator's progress watchdog
         try:
-            self._watch_loop(done, what)
+            self._watch_loop(done, what, poll=poll)
         except GenerationFailed:
             # An NCCL collective that waits on a dead peer never ends by itself and keeps its
             # CUDA stream blocked: abort the communicator so that the stream and every pending
@@ -226,7 +211,7 @@ class GenerationGroup:
         if self.backend != "nccl" or self.pg is None or self.aborted:
             return
         self.aborted = True
-        _abort_nccl(self.pg, self.device)
+        abort_nccl(self.pg, self.device)
 
     def _watch_loop(self, done: Callable[[], bool], what: str, bounded: bool = True, poll: float = 1.0) -> None:
         deadline = time.monotonic() + self.timeout if bounded else float("inf")
@@ -282,7 +267,23 @@ class GenerationGroup:
         return not self.works
 
     def wait(self, work: Any, what: str) -> None:
-        """Wait for a collective's work; raises :class:`GenerationFailed` if it fails or is abandoned."""
+        """Wait for a collective's work; raises :class:`GenerationFailed` if it fails or is abandoned.
+
+        NCCL: a work's future completes when the collective is enqueued, not when the GPU has run
+        it, so the wait polls ``is_completed()`` (true once the GPU finished or the work failed),
+        watching the verdict and the timeout meanwhile, and only then calls ``wait()``, which
+        raises if the work failed: no host sync ever blocks on a collective that may never end."""
+        if self.backend == "nccl":
+            self._watch(lambda: _completed(work), what, poll=NCCL_POLL)
+            try:
+                work.wait()
+                error = None
+            except Exception as exc:
+                error = str(exc)
+            if error is not None:
+                self.abort()
+                raise GenerationFailed(f"generation {self.number}: {what} failed: {error}") from None
+            return
         try:
             future = work.get_future()
         except RuntimeError:
@@ -366,26 +367,6 @@ def _nccl_group(store: dist.Store, rank: int, size: int, timeout: float, device:
     options._timeout = datetime.timedelta(seconds=timeout)
     torch.cuda.set_device(device)
     return dist.ProcessGroupNCCL(store, rank, size, options)
-
-
-def _abort_nccl(pg: Any, device: torch.device) -> None:
-    """Abort an NCCL group's communicators, by whichever call this torch offers."""
-    for target in (pg, _backend_of(pg, device)):
-        for name in ("abort", "_abort", "shutdown"):
-            method = getattr(target, name, None)
-            if callable(method):
-                try:
-                    method()
-                    return
-                except Exception:
-                    continue
-
-
-def _backend_of(pg: Any, device: torch.device) -> Any:
-    try:
-        return pg._get_backend(device)
-    except Exception:
-        return None
 
 
 def _completed(work: Any) -> bool:

@@ -104,8 +104,10 @@ class GroupMember:
             backend = "cpu:gloo,cuda:nccl" if str(device).startswith("cuda") else "gloo"
             if backend != "gloo":
                 from unbroken.devices import local_device
+                from unbroken.nccl import prepare_environment
 
                 torch.cuda.set_device(local_device())
+                prepare_environment(collective_timeout)  # this group may be the process's first NCCL group
             dist.init_process_group(backend, store=store, rank=settings.rank, world_size=settings.size,
                                     timeout=datetime.timedelta(seconds=collective_timeout))
             self._owns_default_group = True

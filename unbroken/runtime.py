@@ -183,11 +183,19 @@ class Job:
     def _choose_backend(self, model: torch.nn.Module) -> None:
         """The model's device and, in a distributed job, the backend its groups use."""
         self._device = devices.model_device(model)
+        if self._device.type == "cuda":
+            # On this (the main) thread, before anything touches CUDA: the current device is where
+            # snapshots, events and new tensors go (a worker with LOCAL_RANK 1 waited on cuda:0).
+            torch.cuda.set_device(self._device)
         self.backend = devices.choose_backend(self.settings.backend, self._device) if self.distributed else "none"
         if self.distributed:
             devices.check_assigned(self._device)
             from unbroken.group import set_transport
 
+            if self.backend == "nccl":
+                from unbroken.nccl import prepare_environment
+
+                prepare_environment(self.settings.collective_timeout)  # before this process's first NCCL group
             set_transport(self.backend, self._device)
 
     def _watch_gradients(self, model: torch.nn.Module) -> None:
@@ -399,10 +407,14 @@ class Job:
         return self._joiner.abandon_reason(number, for_commit)
 
     def _abandon(self, reason: str) -> None:
-        if self._reducer is not None:
-            self._reducer.renew_buffers()
+        # Park (and, for NCCL, abort) the broken group first, then replace the gradient buffers:
+        # the new ones are allocated after the old ones were let go, so that bucket memory is not
+        # doubled at the worst moment (Gloo's pending work still holds the old ones until the
+        # graveyard releases it: docs/guide/gpus.md gives that peak).
         self._checkpointing.failure()
         self._joiner.abandon(reason)
+        if self._reducer is not None:
+            self._reducer.renew_buffers()
 
     def _stop(self, finished: bool) -> None:
         if self._group is not None:

@@ -45,9 +45,30 @@ def copies_done(state: Any) -> Callable[[], None]:
     (a GPU state) have landed; a no-op when CUDA is not in use."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized() or not _has_gpu_tensor(state):
         return lambda: None
-    event = torch.cuda.Event()
-    event.record()
-    return event.synchronize
+    events = []
+    for device in sorted(cuda_devices(state), key=lambda d: d.index or 0):
+        # each copy was queued on the current stream of its tensor's device, not of this thread's
+        with torch.cuda.device(device):
+            event = torch.cuda.Event()
+            event.record()
+            events.append(event)
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return wait
+
+
+def cuda_devices(state: Any) -> set[torch.device]:
+    """The CUDA devices that hold tensors of ``state``."""
+    if isinstance(state, torch.Tensor):
+        return {state.device} if state.device.type == "cuda" else set()
+    if isinstance(state, dict):
+        return set().union(*(cuda_devices(v) for v in state.values())) if state else set()
+    if isinstance(state, (list, tuple)):
+        return set().union(*(cuda_devices(v) for v in state)) if state else set()
+    return set()
 
 
 def _has_gpu_tensor(state: Any) -> bool:

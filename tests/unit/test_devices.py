@@ -3,6 +3,7 @@ abort when a wait is abandoned (with a stand-in process group), the CUDA RNG sta
 snapshots and GPU tensors in healing. The tests that need CUDA skip without it."""
 
 import threading
+import types
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ import torch
 from unbroken import checkpoint, devices, healing
 from unbroken.cli import main
 from unbroken.errors import ConfigError, GenerationFailed
-from unbroken.group import GenerationGroup, Graveyard, Transport, nccl_environment
+from unbroken.group import GenerationGroup, Graveyard, Transport
+from unbroken.nccl import nccl_environment
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
@@ -180,6 +182,133 @@ def test_an_nccl_group_moves_small_messages_through_its_gpu_and_gloo_through_the
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # abort the communicator, keep the process
     assert env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "30"
     assert env["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1"  # a communicator whose peer never comes can be aborted
+
+
+# -- NCCL's semantics: a future done at enqueue, completion when the GPU has run it -------------
+
+
+class _EnqueuedWork:
+    """What an NCCL collective's work does: its future is done as soon as the collective is
+    enqueued; ``is_completed()`` turns true when the GPU ran it (or it failed); ``wait()`` never
+    blocks the host and raises if the work failed."""
+
+    def __init__(self, finish_after: float | None = None, error: str | None = None):
+        self.future = torch.futures.Future()
+        self.future.set_result(None)  # enqueued
+        self.error = error
+        self.completed = threading.Event()
+        if finish_after is not None:
+            threading.Timer(finish_after, self.completed.set).start()
+
+    def get_future(self):
+        return self.future
+
+    def is_completed(self):
+        return self.completed.is_set()
+
+    def wait(self):
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+
+class _EnqueuingNccl(_StandInNccl):
+    def __init__(self, **work):
+        super().__init__()
+        self.work = work
+
+    def allreduce(self, tensors):
+        return _EnqueuedWork(**self.work)
+
+
+def _enqueuing_group(verdict, timeout=5.0, **work):
+    group = _group("nccl", verdict, timeout)
+    group.pg = _EnqueuingNccl(**work)
+    return group
+
+
+def test_a_verdict_ends_the_wait_on_an_nccl_collective_that_was_enqueued_but_never_ran():
+    group = _enqueuing_group(lambda: "member b was declared dead")
+    with pytest.raises(GenerationFailed, match="declared dead"):
+        group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert group.pg.aborted == 1
+
+
+def test_an_nccl_wait_returns_when_the_gpu_finished_not_when_the_work_was_enqueued():
+    import time
+
+    group = _enqueuing_group(lambda: None, finish_after=0.3)
+    started = time.monotonic()
+    group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert time.monotonic() - started >= 0.3
+    assert group.pg.aborted == 0
+
+
+def test_an_nccl_work_that_completed_with_an_error_fails_the_generation():
+    group = _enqueuing_group(lambda: None, finish_after=0.0, error="NCCL communicator was aborted")
+    with pytest.raises(GenerationFailed, match="communicator was aborted"):
+        group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert group.pg.aborted == 1
+
+
+def test_an_abort_that_hangs_costs_its_bound_and_a_broken_communicator_is_never_shut_down(monkeypatch):
+    import time
+
+    from unbroken import nccl
+
+    class Hanging(_StandInNccl):
+        def abort(self):
+            time.sleep(3600)
+
+    class ShutdownOnly:
+        def __init__(self):
+            self.shut = 0
+
+        def shutdown(self):
+            self.shut += 1
+
+    monkeypatch.setattr(nccl, "ABORT_BOUND", 0.2)
+    group = _group("nccl", lambda: "member b was declared dead")
+    group.pg = Hanging()
+    started = time.monotonic()
+    with pytest.raises(GenerationFailed, match="declared dead"):
+        group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert time.monotonic() - started < 2.0
+    only = ShutdownOnly()
+    assert nccl.abort(only, torch.device("cuda", 0), bound=5.0) and only.shut == 0
+
+
+def test_the_nccl_environment_is_set_and_a_setting_that_ends_workers_is_refused(capsys):
+    from unbroken import nccl
+
+    environ: dict[str, str] = {}
+    assert nccl.prepare_environment(30.0, environ) == []
+    assert environ == nccl.nccl_environment(30.0)
+    assert environ["TORCH_NCCL_ENABLE_MONITORING"] == "0" and environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    for value in ("1", "3"):  # TearDown, and torch's default SkipCleanUp: both end the process
+        with pytest.raises(ConfigError, match=f"TORCH_NCCL_ASYNC_ERROR_HANDLING={value} makes torch end a worker"):
+            nccl.prepare_environment(30.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": value})
+    mine = {"TORCH_NCCL_ENABLE_MONITORING": "1"}
+    warnings = nccl.prepare_environment(30.0, mine)
+    assert mine["TORCH_NCCL_ENABLE_MONITORING"] == "1" and len(warnings) == 1  # kept, with what it costs
+    assert "heartbeat monitor may end a healthy worker" in capsys.readouterr().out
+
+
+def test_a_cuda_model_sets_its_device_on_the_main_thread_and_nccl_settings_before_any_group(monkeypatch):
+    from unbroken import runtime
+
+    calls = []
+    monkeypatch.setattr(devices, "model_device", lambda model: torch.device("cuda", 1))
+    monkeypatch.setattr(devices, "choose_backend", lambda name, device: "nccl")
+    monkeypatch.setattr(devices, "check_assigned", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device, threading.current_thread())))
+    monkeypatch.setattr("unbroken.nccl.prepare_environment", lambda timeout: calls.append(("environment", timeout)))
+    monkeypatch.setattr("unbroken.group.set_transport", lambda backend, device: calls.append(("transport", backend)))
+    job = runtime.Job.__new__(runtime.Job)
+    job.distributed = True
+    job.settings = types.SimpleNamespace(backend="auto", collective_timeout=12.0)
+    job._choose_backend(torch.nn.Linear(1, 1))
+    assert calls == [("set_device", torch.device("cuda", 1), threading.main_thread()), ("environment", 12.0), ("transport", "nccl")]
 
 
 # -- RNG, snapshots and healing ------------------------------------------------------------------
