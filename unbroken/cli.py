@@ -87,6 +87,8 @@ def _add_run_membership(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> Non
           help="evict a worker whose progress stops this long while peers wait for it (default %(default)s)")
     _flag(p, "--warmup-timeout", type=float, default=d["warmup_timeout"].default,
           help="the same for a worker's first step (compilation, loading) (default %(default)s)")
+    _flag(p, "--busy-timeout", type=float, default=d["busy_timeout"].default,
+          help="end a worker whose checkpoint write or read has lasted this long (default %(default)s)")
     _flag(p, "--quorum-timeout", type=float, default=d["quorum_timeout"].default, help="fail if below --min-members this long (default %(default)s)")
     _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
 
@@ -207,6 +209,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         checkpoint_keep=args.checkpoint_keep,
         progress_timeout=args.progress_timeout,
         warmup_timeout=args.warmup_timeout,
+        busy_timeout=args.busy_timeout,
         quorum_timeout=args.quorum_timeout,
         start_grace=args.start_grace,
     )
@@ -245,6 +248,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             max_members=args.max_members,
             progress_timeout=args.progress_timeout,
             warmup_timeout=args.warmup_timeout,
+            busy_timeout=args.busy_timeout,
             quorum_timeout=args.quorum_timeout,
             start_grace=args.start_grace,
         ),
@@ -317,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--start-grace", type=float, default=30.0, help="first generation waits this long for the expected members (default 30)")
     c.add_argument("--progress-timeout", type=float, default=20.0, help="evict a member whose progress stops this long while peers wait (default 20)")
     c.add_argument("--warmup-timeout", type=float, default=600.0, help="the same for a member's first step (default 600)")
+    c.add_argument("--busy-timeout", type=float, default=3600.0,
+                   help="end a member whose checkpoint write or read has lasted this long (default 3600)")
     c.add_argument("--quorum-timeout", type=float, default=300.0, help="fail the job if below --min-members this long (default 300)")
     c.add_argument("--heartbeat-timeout", type=float, default=3.0, help="silence that declares a member dead (default 3)")
     c.add_argument("--run-dir", default=None, help="write the event log here")

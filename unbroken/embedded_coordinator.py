@@ -61,6 +61,7 @@ class EmbeddedCoordinator:
                 max_members=self.settings.max_members,
                 progress_timeout=self.settings.progress_timeout,
                 warmup_timeout=self.settings.warmup_timeout,
+                busy_timeout=self.settings.busy_timeout,
                 quorum_timeout=self.settings.quorum_timeout,
                 start_grace=self.settings.start_grace,
             ),

@@ -90,6 +90,9 @@ class LaunchSettings:
     its peers wait for it is declared dead and restarted; a long step that moves is never stuck."""
     warmup_timeout: float = 600.0
     """The same for a worker that has not committed its first step yet (compilation, loading)."""
+    busy_timeout: float = 3600.0
+    """Longest work a worker marks busy (writing or reading a checkpoint) before it is declared
+    dead and restarted, with a reason naming the work (a write stuck on a hung mount)."""
     quorum_timeout: float = 300.0
     """The job fails if live workers stay below ``min_members`` this long."""
     start_grace: float = 30.0
@@ -143,6 +146,8 @@ class LaunchSettings:
             raise ConfigError("--quorum-timeout must be positive")
         if self.warmup_timeout < self.progress_timeout:
             raise ConfigError("need --warmup-timeout >= --progress-timeout")
+        if self.busy_timeout < self.progress_timeout:
+            raise ConfigError("need --busy-timeout >= --progress-timeout")
         if self.progress_timeout >= self.collective_timeout:
             raise ConfigError("need --progress-timeout < --collective-timeout, so that a stuck worker is evicted before its peers give up")
         if self.min_members < 1 or (self.max_members is not None and self.max_members < self.min_members):

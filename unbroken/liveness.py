@@ -47,6 +47,7 @@ class Liveness:
             else:
                 self._arm(member, floor=now)  # it heartbeat since: due a timeout after its newest one
         dead += self._expire_stragglers(now)
+        dead += self._expire_busy(now)
         self._check_quorum(now)
         self._forget(now)
         return dead
@@ -78,6 +79,24 @@ class Liveness:
         limit = self.settings.progress_timeout if member.warm else self.settings.warmup_timeout
         idle = now - max(member.progress_at, since)
         return idle if idle > limit else None
+
+    def _expire_busy(self, now: float) -> list[str]:
+        """Fence the members whose busy mark has lasted longer than ``busy_timeout`` (stuck
+        work, such as a write to a hung mount), naming the work. O(members marked busy)."""
+        dead = []
+        limit = self.settings.busy_timeout
+        for member_id, since in list(self._busy.items()):
+            member = self.members.get(member_id)
+            if member is None or member.state.value not in _LIVE or member.busy is None:
+                self._busy.pop(member_id, None)
+                continue
+            if now - since <= limit:
+                continue
+            self._busy.pop(member_id, None)
+            self.mark_dead(member_id, f"busy with {member.busy} for {now - since:.1f} s, beyond busy_timeout={limit:.0f} s", now)
+            member.fenced = True
+            dead.append(member_id)
+        return dead
 
     def _expire_stragglers(self, now: float) -> list[str]:
         """Fence the active members of the current generation that make no progress while others

@@ -48,7 +48,9 @@ class Member:
     """When (coordinator clock) the counter last moved, or the member last became active."""
     busy: str | None = None
     """Work the member reported doing on purpose that makes no step progress (a final checkpoint
-    write, reading a checkpoint): never taken for stuck while it lasts."""
+    write, reading a checkpoint): never taken for stuck while it lasts, up to ``busy_timeout``."""
+    busy_since: float | None = None
+    """When (coordinator clock) the current busy mark began."""
     warm: bool = True
     """False until the member has committed a step in its process: its first step may include
     compilation and lazy imports, judged against ``warmup_timeout`` instead."""
@@ -98,6 +100,10 @@ class MembershipSettings:
     warmup_timeout: float = 600.0
     """The same limit for a member that has not yet committed a step in its process (its first
     step compiles, imports and allocates)."""
+    busy_timeout: float = 3600.0
+    """Longest deliberate work a member may mark busy (writing or reading a checkpoint) before it
+    is declared dead and ends itself, with a reason naming the work: a write stuck on a hung
+    mount must not hold the job forever. Generous: a whole state written to slow storage."""
     forget_after: float = 600.0
     """Seconds after which a member that died or left (and is in no current generation) is
     forgotten: the coordinator's memory stays bounded however often members restart. A member
@@ -118,6 +124,8 @@ class MembershipSettings:
             raise ValueError("forget_after must be positive and history_limit at least 1")
         if self.warmup_timeout < self.progress_timeout:
             raise ValueError(f"warmup_timeout ({self.warmup_timeout}) must be at least progress_timeout ({self.progress_timeout})")
+        if self.busy_timeout < self.progress_timeout:
+            raise ValueError(f"busy_timeout ({self.busy_timeout}) must be at least progress_timeout ({self.progress_timeout})")
 
 
 @dataclass(frozen=True)

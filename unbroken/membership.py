@@ -99,6 +99,9 @@ class Membership(Liveness):
         self._deadlines: list[tuple[float, str]] = []
         """Heap of (heartbeat deadline, member): one entry per live member, re-armed when due."""
         self._armed: dict[str, float] = {}
+        self._busy: dict[str, float] = {}
+        """Members whose busy mark is on -> since when: the few that :meth:`expire` checks against
+        ``busy_timeout``."""
         """The deadline of each member's one valid heap entry (others are stale and dropped)."""
         self._waits: list[tuple[float, str, str]] = []
         """Heap of (since, member, "blocked"|"waiting"): the longest wait of a current member."""
@@ -236,6 +239,15 @@ class Membership(Liveness):
             if progress is not None and progress != member.progress:
                 member.progress = progress
                 member.progress_at = now
+            if busy != member.busy:
+                # A mark that starts or ends restarts the progress clock: the work it covered is
+                # never counted as time without progress (the next micro-batch may be seconds away).
+                member.progress_at = now
+                member.busy_since = now if busy else None
+                if busy:
+                    self._busy[member_id] = now
+                else:
+                    self._busy.pop(member_id, None)
             member.busy = busy
             if warm is not None:
                 member.warm = warm

@@ -37,6 +37,7 @@ RUN_FLAGS = [
     ["--max-members", "--max_members"],
     ["--progress-timeout", "--progress_timeout"],
     ["--warmup-timeout", "--warmup_timeout"],
+    ["--busy-timeout", "--busy_timeout"],
     ["--quorum-timeout", "--quorum_timeout"],
     ["--start-grace", "--start_grace"],
     ["--restart-backoff", "--restart_backoff"],

@@ -669,3 +669,44 @@ def test_a_member_busy_on_purpose_is_never_fenced_but_its_silence_still_counts()
     _tick(m, "b", 46, progress=1, blocked_on="g1:1:final checkpoint")
     assert m.expire(46.0) == ["c"]  # no heartbeat for 7 s: busy does not mean alive
     assert not m.members["c"].fenced
+
+
+def test_the_progress_clock_restarts_when_a_busy_mark_ends():
+    """Rank 0 is busy with a snapshot from 2.6 s to 28 s while its peers wait in the next
+    allreduce; its first heartbeat after the mark must not fence it for the 26 s it was busy
+    (it did, on the old code: 'made no progress for 26.1 s')."""
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
+    _tick(m, "a", 2.6, progress=5, busy="checkpoint snapshot")
+    for t in (2.6, 10.0, 20.0, 28.0):
+        _tick(m, "b", t, progress=5, blocked_on="g1:2:gradient allreduce")
+        _tick(m, "c", t, progress=5, blocked_on="g1:2:gradient allreduce")
+        if t > 2.6:
+            _tick(m, "a", t, progress=5, busy="checkpoint snapshot")
+        assert m.expire(t) == []
+    _tick(m, "a", 28.0, progress=5)  # the mark ends; the next micro-batch is seconds away
+    for t in (28.1, 30.0, 37.9):
+        _tick(m, "b", t, progress=5, blocked_on="g1:2:gradient allreduce")
+        _tick(m, "c", t, progress=5, blocked_on="g1:2:gradient allreduce")
+        _tick(m, "a", t, progress=5)
+        assert m.expire(t) == [], t
+    _tick(m, "a", 38.5, progress=5)
+    assert m.expire(38.5) == ["a"], "still judged: stuck for progress_timeout after the mark ended"
+    assert "made no progress for 10.5 s" in m.members["a"].death_reason
+
+
+def test_a_busy_mark_beyond_busy_timeout_ends_the_member_naming_the_work():
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0, busy_timeout=60.0))
+    for t in range(0, 61, 5):  # nobody waits: a write stuck on a hung mount, alone
+        for member in ("a", "b"):
+            _tick(m, member, t, progress=t)
+        _tick(m, "c", t, progress=3, busy="checkpoint write")
+        assert m.expire(float(t)) == []
+    _tick(m, "c", 61, progress=3, busy="checkpoint write")
+    assert m.expire(61.0) == ["c"]
+    assert m.members["c"].fenced
+    assert m.members["c"].death_reason == "busy with checkpoint write for 61.0 s, beyond busy_timeout=60 s"
+
+
+def test_busy_timeout_below_progress_timeout_is_refused():
+    with pytest.raises(ValueError, match="busy_timeout"):
+        MembershipSettings(progress_timeout=20.0, busy_timeout=10.0)
