@@ -92,9 +92,6 @@ class CoordinatorSettings:
     20 ms after a failure report."""
     token: str | None = None
     """Shared secret every request must carry (``Authorization: Bearer TOKEN``); None: none."""
-    finished_memory: float = 60.0
-    """With etcd: how long the record that the job finished is kept (a leader taking over within
-    it does not start the job again; a launch under the same job id after it trains anew)."""
     rejoin_grace: float = 0.5
     """A candidate that takes over the lead forms its first generation once every member of the
     last one has rejoined, or after this many seconds with those that did (a lost host's members
@@ -144,8 +141,8 @@ class Coordinator(CoordinatorApi, Leading):
         state is replicated in etcd; None for a coordinator on its own."""
         self._durable = 0
         """The newest generation known to be durable in etcd: members hear only of those."""
-        self._recorded_finished = False
-        """Whether this lead has recorded in etcd that the job finished."""
+        self._recorded_outcome = False
+        """Whether this lead has recorded in etcd how the job ended (finished, or failed)."""
         self._heartbeat_connections: dict[str, Any] = {}
         """Each member's newest heartbeat connection (its transport), checked for closing."""
         self._idle_connections: dict[str, Any] = {}
@@ -329,9 +326,7 @@ class Coordinator(CoordinatorApi, Leading):
         if self.leadership is None:  # replicated: members hear only of durable generations, by joining
             self.state.take_survivors(time.monotonic())
         generation, decision = self.state.maybe_form(time.monotonic())
-        if self.leadership is not None and self.state.finished and not self._recorded_finished:
-            self._recorded_finished = True
-            asyncio.get_running_loop().create_task(self._record_finished())
+        self._record_outcome_once()
         if generation is not None:
             if self.leadership is not None:
                 asyncio.get_running_loop().create_task(self._make_durable(generation))
@@ -440,6 +435,7 @@ class Coordinator(CoordinatorApi, Leading):
             if self.state.failed and not failed_before:
                 log.error("job failed: %s", self.state.failed)
                 self.events.emit("job_failed", reason=self.state.failed)
+                self._record_outcome_once()
 
 
 def _resolve(waiter: asyncio.Future) -> None:

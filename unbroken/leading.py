@@ -37,7 +37,7 @@ class Leading:
     events: EventLog
     incarnation: str
     _durable: int
-    _recorded_finished: bool
+    _recorded_outcome: bool
     _leading: bool
     _coordinators: list[str]
     _bump: Callable[[], None]
@@ -75,9 +75,9 @@ class Leading:
     async def _take_over(self) -> None:
         """Start leading from what etcd holds: generation numbers continue above the newest one,
         the first generation waits ``rejoin_grace`` at most for the last one's members, and a
-        job that has just finished stays so."""
+        job that ended (finished, or failed) stays so."""
         stored = await self.leadership.read("generation") or {}
-        finished = bool(await self.leadership.read("finished"))
+        outcome = await self.leadership.read("outcome") or {}
         settings = self.membership_settings
         if stored.get("members"):
             settings = dataclasses.replace(
@@ -85,7 +85,9 @@ class Leading:
             )
         self.state = Membership(settings)
         self.state.min_generation = int(stored.get("number", 0))
-        self.state.finished = self._recorded_finished = finished
+        self.state.finished = bool(outcome.get("finished"))
+        self.state.failed = outcome.get("failed") or None
+        self._recorded_outcome = bool(outcome)
         self._durable = self.state.min_generation
         self._coordinators = await self.leadership.candidates()
         self.incarnation = uuid.uuid4().hex[:12]
@@ -94,16 +96,26 @@ class Leading:
         self.events.emit("leader", incarnation=self.incarnation, generation=self._durable, address=self.leadership.me)
         self._bump()
 
-    async def _record_finished(self) -> None:
-        """Make "finished" durable for ``finished_memory`` seconds: a candidate that takes over
-        just as the job ends tells the remaining members and launchers so, instead of starting
-        it again. (A failed job is not recorded: launched again, it should train.)"""
+    def _record_outcome_once(self) -> None:
+        """With etcd: once the job finished or failed, record it (once per lead)."""
+        if self.leadership is None or self._recorded_outcome or not (self.state.finished or self.state.failed):
+            return
+        self._recorded_outcome = True
+        outcome = {"finished": True} if self.state.finished else {"failed": self.state.failed}
+        asyncio.get_running_loop().create_task(self._record_outcome(outcome))
+
+    async def _record_outcome(self, outcome: dict[str, Any]) -> None:
+        """Make the job's outcome durable, with no expiry: a candidate that takes over after the
+        job ended tells the remaining members and launchers so, instead of starting it again
+        (launchers would restart the workers of a failed job). It stays until the job id is
+        deliberately reused: ``etcdctl del --prefix /unbroken/<job id>/``, or a new job id."""
         from unbroken.replicated import EtcdUnavailable, NotLeader
 
         try:
-            await self.leadership.guarded_put("finished", True, ttl=self.settings.finished_memory)
+            await self.leadership.guarded_put("outcome", outcome)
         except (NotLeader, EtcdUnavailable) as exc:
-            log.warning("could not record in etcd that the job finished: %s", exc)
+            self._recorded_outcome = False  # the next leader, or the next round, tries again
+            log.warning("could not record in etcd how the job ended (%s): %s", outcome, exc)
 
     def _serving(self) -> bool:
         """Whether this coordinator answers: always when alone; a candidate only while it leads

@@ -7,8 +7,9 @@ uses), never home-made. What lives in etcd, under ``/unbroken/<job>/``:
 ``leader``       the leading candidate's address, attached to its etcd lease (gone when the
                  lease expires);
 ``generation``   the newest generation formed: ``{number, members, incarnation}``;
-``finished``     for a minute once the job finished, so that a leader taking over just then
-                 does not start it again (a later launch under the same job id trains anew);
+``outcome``      once the job ended: ``{"finished": true}`` or ``{"failed": reason}``, kept until
+                 the job id is deliberately reused (its keys deleted), so that a leader taking
+                 over never starts an ended job again and launchers do not restart its workers;
 ``candidates/<address>``  every live candidate, attached to a lease of its own, so that members
                  that know one candidate learn all of them.
 
@@ -90,8 +91,14 @@ class EtcdGateway:
         raise EtcdUnavailable(f"no etcd endpoint of {', '.join(self.endpoints)} answered {path}: {last}")
 
     async def grant(self, ttl: float) -> int:
-        reply = await self.call("lease/grant", {"TTL": max(1, round(ttl))})
-        return int(reply["ID"])
+        return (await self.grant_ttl(ttl))[0]
+
+    async def grant_ttl(self, ttl: float) -> tuple[int, float]:
+        """A lease of about ``ttl`` seconds: its id and the TTL etcd granted (whole seconds: it
+        rounds 1.45 down to 1, and a leader's validity must count from what was granted)."""
+        asked = max(1, round(ttl))
+        reply = await self.call("lease/grant", {"TTL": asked})
+        return int(reply["ID"]), float(reply.get("TTL", asked))
 
     async def keepalive(self, lease: int) -> float:
         """Renew ``lease`` once; returns its remaining TTL (0 or less: it has expired)."""
@@ -162,6 +169,8 @@ class Leadership:
         self.valid_until = 0.0
         """By this candidate's own monotonic clock: it may serve as leader until then."""
         self.prefix = f"/unbroken/{settings.job}/"
+        self.granted = settings.lease
+        """The TTL etcd granted the leader's lease (it may round the one asked for down)."""
         self.known_leader: str | None = None
         """The leader's address as last read from etcd (a hint for members that ask a candidate)."""
         self._registration: int | None = None
@@ -176,7 +185,7 @@ class Leadership:
     async def campaign(self) -> bool:
         """Try once to become the leader; True if this candidate now leads."""
         sent = time.monotonic()
-        lease = await self.gateway.grant(self.settings.lease)
+        lease, granted = await self.gateway.grant_ttl(self.settings.lease)
         won, _ = await self.gateway.txn(
             [{"key": _b64(self.leader_key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
             [{"request_put": {"key": _b64(self.leader_key), "value": _b64(self.me), "lease": lease}}],
@@ -185,8 +194,10 @@ class Leadership:
             await self.gateway.revoke(lease)
             return False
         self.lease = lease
-        # etcd's clock started the TTL no earlier than our request was sent
-        self.valid_until = sent + self.settings.lease - self.settings.margin
+        self.granted = granted
+        # etcd's clock started the TTL it granted (not the one asked for) no earlier than our
+        # request was sent
+        self.valid_until = sent + min(granted, self.settings.lease) - self.settings.margin
         log.info("%s leads job %s (etcd lease %x)", self.me, self.settings.job, lease)
         return True
 

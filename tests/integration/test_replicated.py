@@ -2,6 +2,7 @@
 127.0.0.1 (issue 12): one leader, guarded writes, a deposed leader's write refused."""
 
 import asyncio
+import base64
 import os
 import signal
 import time
@@ -92,6 +93,60 @@ def test_a_renewing_leader_keeps_leading_and_nobody_writes_without_a_quorum(clus
                 await a.guarded_put("generation", {"number": 1})
         finally:
             await a.gateway.close()
+
+    run(scenario())
+
+
+def test_a_leaders_validity_counts_from_the_ttl_etcd_granted(cluster):
+    """etcd grants whole seconds: a 1.45 s lease is 1 s on its side, and a leader that counted
+    from the 1.45 s it asked for would serve 0.45 s after etcd may have let its key go."""
+
+    async def scenario():
+        a = Leadership(EtcdGateway(cluster.endpoints), LeadershipSettings("job4", lease=1.45, margin=0.3, poll=0.1), "a:1")
+        try:
+            sent = time.monotonic()
+            assert await a.campaign()
+            assert a.granted == 1.0
+            # by its own clock: 1.0 s granted - 0.3 s margin from when it asked (not 1.45 - 0.3)
+            assert a.valid_until - sent <= 1.0 - 0.3 + 0.1, a.valid_until - sent
+        finally:
+            await a.gateway.close()
+
+    run(scenario())
+
+
+def test_a_failed_job_is_recorded_for_good_and_a_new_leader_keeps_it_failed(cluster):
+    from unbroken.coordinator import Coordinator, CoordinatorSettings
+    from unbroken.membership import MembershipSettings
+
+    async def lead(name):
+        leadership = Leadership(EtcdGateway(cluster.endpoints), LeadershipSettings("job5", lease=2.0), name)
+        assert await leadership.campaign()
+        coordinator = Coordinator(CoordinatorSettings(), MembershipSettings(), leadership=leadership)
+        await coordinator._take_over()
+        return coordinator
+
+    async def scenario():
+        first = await lead("a:1")
+        try:
+            assert first.state.failed is None and not first.state.finished
+            first.state.failed = "only 0 live member(s), below the minimum of 2, for more than quorum_timeout=1 s"
+            first._record_outcome_once()
+            deadline = time.monotonic() + 10
+            while await first.leadership.read("outcome") is None:
+                assert time.monotonic() < deadline, "the outcome was never recorded"
+                await asyncio.sleep(0.05)
+            reply = await first.leadership.gateway.call("kv/range", {"key": base64.b64encode(b"/unbroken/job5/outcome").decode()})
+            assert "lease" not in reply["kvs"][0], "the outcome must not expire"
+            await first.leadership.resign()
+        finally:
+            await first.leadership.gateway.close()
+        second = await lead("b:1")  # takes over after the failure, as after the leader's loss
+        try:
+            assert second.state.failed == "only 0 live member(s), below the minimum of 2, for more than quorum_timeout=1 s"
+            assert not second.state.finished
+        finally:
+            await second.leadership.gateway.close()
 
     run(scenario())
 
