@@ -85,6 +85,11 @@ class Leading:
             )
         self.state = Membership(settings)
         self.state.min_generation = int(stored.get("number", 0))
+        # Its first generation must not train from behind the job: it waits for a member that
+        # holds the step the last durable generation started from, as long as a live member of
+        # that generation can take to come back (its heartbeat timeout), then forms anyway.
+        self.state.holder_step = int(stored.get("step", 0))
+        self.state.holder_deadline = time.monotonic() + max(settings.heartbeat_timeout, self.settings.rejoin_grace)
         self.state.finished = bool(outcome.get("finished"))
         self.state.failed = outcome.get("failed") or None
         self._recorded_outcome = bool(outcome)
@@ -134,7 +139,9 @@ class Leading:
         of it; a refused write deposes this leader."""
         from unbroken.replicated import EtcdUnavailable, NotLeader
 
-        record = {"number": generation.number, "members": list(generation.members), "incarnation": self.incarnation}
+        # the step this generation starts from: the best its members hold (healing brings all there)
+        step = max((self.state.members[m].step for m in generation.members if m in self.state.members), default=0)
+        record = {"number": generation.number, "members": list(generation.members), "incarnation": self.incarnation, "step": step}
         try:
             await self.leadership.guarded_put("generation", record)
         except (NotLeader, EtcdUnavailable) as exc:

@@ -80,6 +80,14 @@ class Membership(Liveness):
     first_wait: float | None = None
     broken_at: float | None = None
     below_quorum_since: float | None = None
+    holder_step: int = 0
+    """The job's committed step as a new leader read it from etcd (the step the last durable
+    generation started from): its first generation waits, until ``holder_deadline``, for a
+    member that holds at least that step, so that it never trains from behind while a member that
+    holds the job's state is on its way back. 0: no such wait."""
+    holder_deadline: float | None = None
+    """Until when (coordinator clock) the first generation waits for a holder; after it, those
+    who came form it (every holder is gone: the state comes from a checkpoint, if any)."""
     min_generation: int = 0
     """The highest generation any member has seen (it may come from a checkpoint written under an
     earlier coordinator): new generations are numbered above it, so numbers never repeat."""
@@ -322,6 +330,12 @@ class Membership(Liveness):
                 return Decision(False, reason=f"first generation: {waiting} of {self.settings.expected_members} expected members")
         if waiting < self.settings.min_members:
             return Decision(False, reason=f"{waiting} member(s) waiting, minimum is {self.settings.min_members}")
+        if self.current is None and self.holder_step > 0 and self.holder_deadline is not None and now < self.holder_deadline:
+            # O(N), only before a new leader's first generation
+            best = max((m.step for m in self.members.values() if m.state is MemberState.WAITING), default=0)
+            if best < self.holder_step:
+                return Decision(False, reason=f"first generation under a new leader: waiting for a member at step"
+                                               f" {self.holder_step} or later (the waiting reach {best})")
         return None
 
     def take_survivors(self, now: float) -> bool:

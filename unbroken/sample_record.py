@@ -46,10 +46,14 @@ class SampleRecord:
         line = f'{{"g":{step.generation},"s":{step.index},"r":{step.rank},"n":{step.members}{k},"a":{step.positions.start},"b":{step.positions.stop}}}\n'
         os.write(self._fd, line.encode())
 
-    def commit(self, step: Step) -> None:
-        """What this member committed, for the stale-commit checks."""
+    def commit(self, step: Step, digest: int) -> None:
+        """What this member committed, for the invariant checks: the generation, the step, the
+        process of its replica group ("p", 0 alone) and the lineage digest after the commit ("d"),
+        which every process of the generation must share."""
         if self._fd is not None:
-            line = f'{{"commit":1,"g":{step.generation},"s":{step.index},"t":{time.time()!r}}}\n'
+            group = step.job._group
+            process = group.rank if group is not None and group.grouped else 0
+            line = f'{{"commit":1,"g":{step.generation},"s":{step.index},"p":{process},"d":{digest},"t":{time.time()!r}}}\n'
             os.write(self._fd, line.encode())
 
     def write_lineage(self, lineage: list[int], replica_hash: str | None, next_step: int) -> None:

@@ -172,7 +172,8 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
 
 
 def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: int) -> dict[str, Any]:
-    """Every stream position of steps [0, steps) was applied in exactly one committed step.
+    """Every stream position of steps [0, steps) was applied in exactly one committed step, and
+    every commit of the run keeps the invariants of :func:`check_commits`.
 
     The lineage (the generation that committed each step, carried in the healed state) comes from
     the members that finished; the positions each member processed in each attempt come from the
@@ -205,7 +206,61 @@ def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: 
         parts = records[0]["n"] * records[0].get("k", 1)  # k: processes per replica group
         assert len(records) == parts, f"step {step}: {len(records)} shares logged for {parts} parts ({records[0]['n']} members)"
     redone = sum(1 for (g, s) in attempts if lineage[s] != g) if lineage else 0
+    check_commits(dirs)
     return {"generations": sorted(set(lineage)), "redone_attempts": redone}
+
+
+def check_commits(run_dir: str | list[str]) -> dict[str, Any]:
+    """The invariants over every commit of a run, every generation and every process included
+    (DESIGN: Copies of the truth), from the sample logs and the resume events:
+
+    - each step is committed by at most one generation (a resume from a checkpoint at step c
+      lets later generations commit steps >= c again: everyone that held them is gone);
+    - no generation's first commit is behind the highest step committed before it;
+    - in each generation every process that committed step s holds the same lineage digest, and
+      in a replica group each member's K processes committed the same steps.
+    """
+    dirs = [run_dir] if isinstance(run_dir, str) else run_dir
+    records: list[dict[str, Any]] = []
+    for path in (p for d in dirs for p in glob.glob(os.path.join(d, "samples", "*.jsonl"))):
+        member = os.path.basename(path)[: -len(".jsonl")]
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                if "commit" in record:
+                    records.append({**record, "member": member})
+    assert records, "no commit was recorded (was the run started with --record-samples?)"
+    resumes = sorted((e["t"], e["step"]) for d in dirs for e in Run(0, "", "", d).events("resume"))
+    timeline = sorted([(r["t"], 1, r) for r in records] + [(t, 0, {"resume": step}) for t, step in resumes], key=lambda x: (x[0], x[1]))
+    by_step: dict[int, int] = {}
+    highest = -1
+    first_of: dict[int, int] = {}
+    for _, _, r in timeline:
+        if "resume" in r:
+            by_step = {s: g for s, g in by_step.items() if s < r["resume"]}
+            highest = r["resume"] - 1
+            continue
+        g, s = r["g"], r["s"]
+        assert by_step.setdefault(s, g) == g, f"step {s} committed by generations {by_step[s]} and {g} ({r['member']})"
+        if g not in first_of:
+            first_of[g] = s
+            assert s > highest, f"generation {g} first committed step {s}, behind step {highest} committed before it"
+        highest = max(highest, s)
+    digests: dict[tuple[int, int], set[int]] = {}
+    processes: dict[tuple[str, int], dict[int, set[int]]] = {}
+    for r in records:
+        if "d" in r:
+            digests.setdefault((r["g"], r["s"]), set()).add(r["d"])
+        processes.setdefault((r["member"], r["g"]), {}).setdefault(r.get("p", 0), set()).add(r["s"])
+    split = {k: v for k, v in digests.items() if len(v) > 1}
+    assert not split, f"processes of one generation committed a step with different lineages: {sorted(split)[:5]}"
+    for (member, g), steps in processes.items():
+        if len(steps) > 1:  # a replica group: its processes must have committed the same steps
+            first = next(iter(steps.values()))
+            assert all(v == first for v in steps.values()), (
+                f"the processes of {member} committed different steps in generation {g}: "
+                + ", ".join(f"process {p}: {sorted(v)[:6]}" for p, v in sorted(steps.items())))
+    return {"commits": len(records), "generations": len(first_of), "resumes": len(resumes)}
 
 
 def commits(run_dir: str, member: str) -> list[dict[str, Any]]:

@@ -2,7 +2,6 @@
 place fences the old generation instead of running a second job beside it, and a launcher's
 death takes its workers with it at once."""
 
-import glob
 import os
 import signal
 import subprocess

@@ -710,3 +710,35 @@ def test_a_busy_mark_beyond_busy_timeout_ends_the_member_naming_the_work():
 def test_busy_timeout_below_progress_timeout_is_refused():
     with pytest.raises(ValueError, match="busy_timeout"):
         MembershipSettings(progress_timeout=20.0, busy_timeout=10.0)
+
+
+def _taken_over(holder_step, now=0.0):
+    """A new leader's membership, as Leading._take_over builds it from etcd: the last durable
+    generation had two members and started from ``holder_step``; rejoin grace 0.5 s."""
+    m = Membership(MembershipSettings(expected_members=2, start_grace=0.5, heartbeat_timeout=3.0))
+    m.min_generation = 4
+    m.holder_step = holder_step
+    m.holder_deadline = now + 3.0
+    return m
+
+
+def test_a_new_leaders_first_generation_waits_for_a_member_that_holds_the_jobs_step():
+    """The third leader formed generation 5 from a restarted node's fresh worker alone, 0.5 s after
+    it joined, while the job's members were at step 169 and rejoined half a second later: it
+    committed steps 0, 1, 2 again. Now it waits for a holder, and forms with it."""
+    m = _taken_over(150)
+    m.join("fresh", "n2", None, 0, now=0.0)
+    for t in (0.6, 0.9):  # past the rejoin grace: on the old code it formed here, from step 0
+        generation, decision = m.maybe_form(now=t)
+        assert generation is None and "step 150" in decision.reason, decision
+    m.join("holder", "n1", None, 169, now=1.0)
+    generation, _ = m.maybe_form(now=1.0)
+    assert generation is not None and set(generation.members) == {"fresh", "holder"} and generation.number == 5
+
+
+def test_a_new_leader_forms_from_behind_only_once_no_holder_came_back_in_time():
+    m = _taken_over(150)
+    m.join("fresh", "n2", None, 0, now=0.0)
+    assert m.maybe_form(now=2.9)[0] is None
+    generation, _ = m.maybe_form(now=3.1)  # every holder is gone: the state comes from a checkpoint
+    assert generation is not None and generation.members == ("fresh",)
