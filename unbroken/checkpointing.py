@@ -90,7 +90,10 @@ class Checkpointing:
         self._account_save_cost(now)
         due = job.next_step < (job.total or 0) and self.schedule.due(job.next_step, now)
         # a replica group writes together or not at all: not while any of its processes still writes
-        _, (wanted, writing) = job._vote(True, job.generation, [float(due), float(self.saver.busy())])
+        agreed, (wanted, writing) = job._vote(True, job.generation, [float(due), float(self.saver.busy())])
+        if not agreed:  # the group's processes hold different states: nobody saves, all rejoin
+            job._abandon("the processes of this replica group disagree on the step or lineage before a save")
+            return
         if wanted > 0:
             self.save(skip=writing > 0)
 

@@ -135,7 +135,7 @@ class Coordinator(CoordinatorApi, Leading):
     ) -> None:
         self.settings = settings
         self.membership_settings = membership
-        self.state = Membership(membership)
+        self.state = Membership(membership, store_token=settings.token)
         self.leadership = leadership
         """A :class:`~unbroken.replicated.Leadership` when this is one of several candidates whose
         state is replicated in etcd; None for a coordinator on its own."""

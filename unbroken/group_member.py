@@ -179,10 +179,52 @@ class GroupMember:
         dist.all_reduce(tensor)
         return tensor.tolist()
 
-    def vote(self, ok: bool, generation: int, extra: list[float] | None = None) -> tuple[bool, list[float]]:
-        """Whether every process of the group is ``ok`` in ``generation``, and the sums of ``extra``."""
-        summed = self.agree([0.0 if ok else 1.0, float(generation), float(generation) ** 2, *(extra or [])])
-        return unanimous(summed[:3], self.size), summed[3:]
+    def vote(self, ok: bool, generation: int, extra: list[float] | None = None,
+             state: tuple[int, int, bool] | None = None) -> tuple[bool, list[float]]:
+        """Whether every process of the group is ``ok`` in ``generation`` and, with ``state``
+        (next step, lineage digest, fresh), holds the same one; and the sums of ``extra``."""
+        ballot = self.ballot(ok, generation, extra, state)
+        return ballot.ok and ballot.same_state, ballot.sums
+
+    def ballot(self, ok: bool, generation: int, extra: list[float] | None = None,
+               state: tuple[int, int, bool] | None = None) -> Ballot:
+        """One collective of the group's K processes: whether all are ``ok`` in the same
+        ``generation``, whether all hold the same ``state``, and the sums of ``extra``."""
+        compared = _state_values(state) if state is not None else []
+        values = [0.0 if ok else 1.0, float(generation), float(generation) ** 2]
+        for value in compared:
+            values += [value, value * value]
+        summed = self.agree(values + list(extra or []))
+        n = 3 + 2 * len(compared)
+        same = all(_same(summed[3 + 2 * i], summed[4 + 2 * i], self.size) for i in range(len(compared)))
+        return Ballot(unanimous(summed[:3], self.size), same, summed[n:])
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """What a replica group's vote found."""
+
+    ok: bool
+    """Every process was ok, in the same generation."""
+    same_state: bool
+    """Every process holds the same next step, lineage digest and freshness."""
+    sums: list[float]
+    """The sums of the extra values over the processes."""
+
+
+_CHUNK = 1 << 21
+
+
+def _state_values(state: tuple[int, int, bool]) -> list[float]:
+    """A process's (next step, lineage digest, fresh) as small floats whose sums and sums of
+    squares over a group stay exact in float64: the 63-bit digest in three 21-bit parts."""
+    step, digest, fresh = state
+    return [float(step), float(digest % _CHUNK), float(digest // _CHUNK % _CHUNK), float(digest // _CHUNK // _CHUNK), float(fresh)]
+
+
+def _same(total: float, squares: float, size: int) -> bool:
+    """From the sum and the sum of squares of one value over ``size`` processes: all equal."""
+    return total * total == squares * size
 
 
 def unanimous(summed: list[float], size: int) -> bool:

@@ -380,11 +380,18 @@ class Joiner:
         error: GenerationFailed | None = None
         try:
             group.connect(self._store_for(reply["store_host"], reply["store_port"]), prefix, reply["store_host"])
-            job._healer.heal(group)
         except GenerationFailed as exc:
             self._store = None  # a broken store connection must not break every later generation
             error = exc
-        # a replica group uses a generation only if every one of its processes built and healed its shard's group
+        if job._group is not None:
+            error = self._agree_before_healing(number, error)
+        if error is None:
+            try:
+                job._healer.heal(group)
+            except GenerationFailed as exc:
+                error = exc
+        # a replica group uses a generation only if every one of its processes built and healed
+        # its shard's group, and they all hold the same step and lineage after it
         agreed, _ = job._vote(error is None, number)
         if error is None and not agreed:
             error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
@@ -396,6 +403,21 @@ class Joiner:
         job.member_index, job.member_count = group.rank, group.size
         log.info("%s: generation %d, member %d of %d, at step %d", job.member_id, number, group.rank, group.size, job.next_step)
         return True
+
+    def _agree_before_healing(self, number: int, error: GenerationFailed | None) -> GenerationFailed | None:
+        """A replica group's processes, before they heal: did every one connect its shard's group,
+        and do they hold the same next step, lineage and freshness? If they do not (a heal that
+        failed part-way left some shards loaded and others not), the whole group counts as fresh,
+        so that every shard is healed again from one source. Returns the error to fail with."""
+        job = self.job
+        ballot = job._group.ballot(error is None, number, state=job._state_key())
+        if error is None and not ballot.ok:
+            return GenerationFailed(f"generation {number}: another process of this replica group could not connect")
+        if ballot.ok and not ballot.same_state:
+            log.warning("%s: the processes of this replica group hold different steps or lineages (this one: step %d);"
+                        " the group is healed as fresh", job.member_id, job.next_step)
+            job.fresh = True
+        return error
 
     def _refused(self, message: str, code: int) -> None:
         """End this worker because the coordinator will not take it (wrong token, a mismatch, a

@@ -83,7 +83,7 @@ class Leading:
             settings = dataclasses.replace(
                 settings, expected_members=len(stored["members"]), start_grace=self.settings.rejoin_grace
             )
-        self.state = Membership(settings)
+        self.state = Membership(settings, store_token=self.settings.token)
         self.state.min_generation = int(stored.get("number", 0))
         # Its first generation must not train from behind the job: it waits for a member that
         # holds the step the last durable generation started from, as long as a live member of

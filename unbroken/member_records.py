@@ -64,6 +64,9 @@ class Generation:
     number: int
     members: tuple[str, ...]
     formed_at: float
+    tag: str = ""
+    """A part of the store prefix derived from the job's token (:func:`unbroken.store_keys.key_tag`):
+    without the token, nobody can name this generation's keys."""
 
     @cached_property
     def ranks(self) -> dict[str, int]:
@@ -73,7 +76,7 @@ class Generation:
     @property
     def prefix(self) -> str:
         """Store prefix under which this generation's process group rendezvous."""
-        return f"unbroken/gen{self.number}/"
+        return f"unbroken/{self.tag}gen{self.number}/"
 
 
 @dataclass(frozen=True)

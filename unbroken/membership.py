@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.liveness import Liveness
+from unbroken.store_keys import key_tag
 from unbroken.member_records import (  # noqa: F401  (re-exported: the records and the rule live there)
     _LIVE,
     Decision,
@@ -80,6 +81,8 @@ class Membership(Liveness):
     first_wait: float | None = None
     broken_at: float | None = None
     below_quorum_since: float | None = None
+    store_token: str | None = None
+    """The job's token: generations' store prefixes are derived from it (None: guessable ones)."""
     holder_step: int = 0
     """The job's committed step as a new leader read it from etcd (the step the last durable
     generation started from): its first generation waits, until ``holder_deadline``, for a
@@ -385,7 +388,7 @@ class Membership(Liveness):
         if not decision.form:
             return None, decision
         number = max((self.current.number + 1) if self.current is not None else 1, self.min_generation + 1)
-        generation = Generation(number, decision.members, formed_at=now)
+        generation = Generation(number, decision.members, formed_at=now, tag=key_tag(self.store_token, f"gen{number}"))
         for member_id in decision.members:
             member = self.members[member_id]
             member.waiting_since = None

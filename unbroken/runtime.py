@@ -260,7 +260,10 @@ class Job:
                         break
                     continue
                 if self.next_step >= total:
-                    if self._together(verify_replicas(self) and self._checkpointing.final_together(), "could not finish"):
+                    # the group decides together at each stage: a process whose replica check failed
+                    # must not leave the others half-way into a sharded save over their group
+                    if (self._together(verify_replicas(self), "could not compare replicas")
+                            and self._together(self._checkpointing.final_together(), "could not finish")):
                         finished = True
                         break
                     continue
@@ -290,12 +293,18 @@ class Job:
             self._stop(finished)
 
     def _vote(self, ok: bool, generation: int, extra: list[float] | None = None) -> tuple[bool, list[float]]:
-        """Whether every process of this member is ``ok`` in ``generation``, with the sums of
-        ``extra`` over them: a replica group's vote (:meth:`GroupMember.vote`); alone or as a
-        plain member, this process's own ``ok`` and ``extra``."""
+        """Whether every process of this member is ``ok`` in ``generation`` and holds the same
+        next step, lineage and freshness, with the sums of ``extra`` over them: a replica group's
+        vote (:meth:`GroupMember.vote`); alone or as a plain member, this process's own ``ok``
+        and ``extra``. Every decision a group takes goes through here, so its processes can
+        never train, commit or save from different steps."""
         if self._group is None:
             return ok, list(extra or [])
-        return self._group.vote(ok, generation, extra)
+        return self._group.vote(ok, generation, extra, state=self._state_key())
+
+    def _state_key(self) -> tuple[int, int, bool]:
+        """What the processes of a replica group must agree on: next step, lineage, freshness."""
+        return self.next_step, self._digest, self.fresh
 
     def _together(self, ok: bool, what: str) -> bool:
         """Whether every process of this member is ok (:meth:`_vote`); one that is ok while another

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from unbroken.restarts import SlotBudget
+from unbroken.store_keys import key_tag
 
 if TYPE_CHECKING:
     from unbroken.launch_settings import LaunchSettings
@@ -138,7 +139,8 @@ class WorkerProcesses:
             # The group's own rendezvous: a store of this launcher's, under a prefix that names this
             # incarnation of the group, so that a restarted group never reads a dead one's keys.
             env["UNBROKEN_GROUP_STORE"] = self._group_store_address()
-            env["UNBROKEN_GROUP_PREFIX"] = f"unbroken/group/{s.node}.w{worker.local_rank}/{worker.restarts}/"
+            incarnation = f"{s.node}.w{worker.local_rank}/{worker.restarts}"
+            env["UNBROKEN_GROUP_PREFIX"] = f"unbroken/group/{key_tag(self.token, 'group/' + incarnation)}{incarnation}/"
             env["UNBROKEN_GROUP_TIMEOUT"] = str(s.heartbeat_timeout)
         log_path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")
         logfile = open(log_path, "ab", buffering=0)

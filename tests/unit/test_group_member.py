@@ -114,3 +114,46 @@ def test_close_destroys_only_the_process_groups_the_group_made():
         """
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def _ballots(states, oks=None, extras=None):
+    """What each of a group's processes' ballot finds, its ``agree`` summing every process's
+    values as the group's all_reduce does."""
+    from unbroken.group_member import GroupMember
+
+    size = len(states)
+    oks = oks or [True] * size
+    sent = []
+
+    class Recording(GroupMember):
+        def __init__(self):  # noqa: D107 - no process group: agree() is the stand-in below
+            self.size = size
+
+        def agree(self, values):
+            sent.append(values)
+            return values
+
+    for state, ok, extra in zip(states, oks, extras or [None] * size):
+        Recording().ballot(ok, 5, extra, state)
+    summed = [sum(column) for column in zip(*sent)]
+
+    class Summing(Recording):
+        def agree(self, values):
+            return summed
+
+    return [Summing().ballot(ok, 5, extra, state) for state, ok, extra in zip(states, oks, extras or [None] * size)]
+
+
+def test_a_groups_processes_at_different_steps_or_lineages_do_not_agree():
+    """After a heal that failed part-way, process 0 of a group held step 10 and process 1 step 0;
+    the vote compared only ok and the generation, and the two trained different steps."""
+    digest = (1 << 62) + 12345  # a 63-bit lineage digest: compared exactly, not rounded
+    same = _ballots([(10, digest, False), (10, digest, False)])
+    assert all(b.ok and b.same_state for b in same)
+    for states in ([(10, digest, False), (0, digest, False)],      # the next step
+                   [(10, digest, False), (10, digest + 1, False)],  # the lineage, by its last bit
+                   [(10, digest, False), (10, digest, True)]):      # freshness
+        ballots = _ballots(states)
+        assert all(b.ok and not b.same_state for b in ballots), states
+    assert [b.sums for b in _ballots([(1, 2, False)] * 2, extras=[[1.0, 0.0], [1.0, 1.0]])] == [[2.0, 1.0]] * 2
+    assert not _ballots([(1, 2, False)] * 2, oks=[True, False])[0].ok

@@ -742,3 +742,23 @@ def test_a_new_leader_forms_from_behind_only_once_no_holder_came_back_in_time():
     assert m.maybe_form(now=2.9)[0] is None
     generation, _ = m.maybe_form(now=3.1)  # every holder is gone: the state comes from a checkpoint
     assert generation is not None and generation.members == ("fresh",)
+
+
+def test_with_a_token_a_generations_store_keys_cannot_be_named_without_it():
+    """The generation's TCPStore takes writes from anyone who reaches its port: with a token, its
+    keys live under a tag derived from the token and the generation."""
+    from unbroken.store_keys import key_tag
+
+    def formed(token):
+        m = Membership(MembershipSettings(), store_token=token)
+        m.join("a", "n", None, 0, now=0.0)
+        first = m.maybe_form(now=0.0)[0]
+        m.mark_dead("a", "killed", now=1.0)
+        m.join("b", "n", None, 0, now=1.0)
+        return first, m.maybe_form(now=1.0)[0]
+
+    assert [g.prefix for g in formed(None)] == ["unbroken/gen1/", "unbroken/gen2/"]
+    first, second = formed("s3cret")
+    assert first.prefix == f"unbroken/{key_tag('s3cret', 'gen1')}gen1/" and len(first.tag) == 33
+    assert first.tag != second.tag  # another generation: other keys
+    assert formed("other")[0].tag != first.tag  # another token: other keys
