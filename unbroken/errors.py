@@ -56,3 +56,17 @@ class SampleError(UnbrokenError, RuntimeError):
         self.step = step
         self.index = index
         self.position = position
+
+
+EXIT_RESTART_FRESH = 76
+"""Exit status of a replica group's process whose group could not be brought to one state (its
+processes hold different steps and nobody holds the job's state to heal them from): a restart
+with a fresh state is the cure, never a bug in the script, so its launcher restarts it."""
+
+EXIT_PEER_SILENT = 75
+"""Exit status of a process whose group watchdog found a process of its group silent (sysexits'
+EX_TEMPFAIL: a restart of the whole group is the cure). Distinct from a crash (1), a refusal
+(:data:`EXIT_MISMATCH`, 78) and a worker whose parent died (3)."""
+
+RESTARTABLE_EXITS = frozenset({EXIT_PEER_SILENT, EXIT_RESTART_FRESH})
+"""Exits that ask for a restart: never counted as the script's own error."""

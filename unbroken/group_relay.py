@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from unbroken.errors import UnbrokenError
+from unbroken.errors import EXIT_PEER_SILENT, UnbrokenError  # EXIT_PEER_SILENT: defined beside the other exit statuses
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,6 @@ __all__ = [
     "RelayTimeout",
     "relay_prefix",
 ]
-
-EXIT_PEER_SILENT = 75
-"""Exit status of a process whose :class:`GroupWatchdog` found a process of its group silent
-(sysexits' EX_TEMPFAIL: a restart of the whole group is the cure). Distinct from a crash (1),
-a refusal (``EXIT_MISMATCH``, 78) and a worker whose parent died (3)."""
 
 
 class RelayTimeout(UnbrokenError):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from unbroken.errors import EXIT_MISMATCH, GenerationFailed, Unauthorized, UnbrokenError
+from unbroken.errors import EXIT_MISMATCH, EXIT_RESTART_FRESH, GenerationFailed, Unauthorized, UnbrokenError
 from unbroken.lifetime import ExitGuard, die_with_launcher
 from unbroken.open_files import raise_limit
 
@@ -392,9 +392,12 @@ class Joiner:
                 error = exc
         # a replica group uses a generation only if every one of its processes built and healed
         # its shard's group, and they all hold the same step and lineage after it
-        agreed, _ = job._vote(error is None, number)
-        if error is None and not agreed:
-            error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
+        if job._group is not None:
+            ballot = job._group.ballot(error is None, number, state=job._state_key())
+            if ballot.ok and not ballot.same_state:
+                self._end_unmendable_group(number)
+            if error is None and not ballot.ok:
+                error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
         if error is not None:
             self.report_failure(number, str(error))
             self.graveyard.park(group)
@@ -418,6 +421,20 @@ class Joiner:
                         " the group is healed as fresh", job.member_id, job.next_step)
             job.fresh = True
         return error
+
+    def _end_unmendable_group(self, number: int) -> None:
+        """The group's processes still hold different states after healing as fresh: nobody in
+        generation ``number`` held the job's state to heal every shard from (each shard went to
+        whichever process held the most of it). Its state is a mix no step can be trusted from,
+        so the group ends itself; its launcher restarts it with a truly fresh state, which is
+        healed from a member that holds the job's, or from the newest checkpoint, or starts over."""
+        job = self.job
+        message = (f"unbroken: {job.member_id}: the processes of this replica group hold different steps or lineages"
+                   f" after healing in generation {number} (this one: step {job.next_step}), and no member holds the"
+                   " job's state to heal them from; ending the group so that it restarts fresh")
+        print(message, file=sys.stderr, flush=True)
+        job._stop(finished=False)
+        raise SystemExit(EXIT_RESTART_FRESH)
 
     def _refused(self, message: str, code: int) -> None:
         """End this worker because the coordinator will not take it (wrong token, a mismatch, a

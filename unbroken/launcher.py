@@ -51,7 +51,7 @@ from dataclasses import asdict
 from typing import Any
 
 from unbroken.embedded_coordinator import EmbeddedCoordinator
-from unbroken.errors import EXIT_MISMATCH, ConfigError, UnbrokenError
+from unbroken.errors import EXIT_MISMATCH, RESTARTABLE_EXITS, ConfigError, UnbrokenError
 from unbroken.launch_settings import LaunchSettings
 from unbroken.restarts import SlotBudget
 from unbroken.telemetry import EventLog
@@ -280,7 +280,7 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
             # job's. A restart would differ just the same; stop this node and let the others train.
             self.reason = f"worker {worker.local_rank} does not match the job; stopping this node{self._log_tail(worker, 1)}"
             return 2
-        if code > 0:
+        if code > 0 and code not in RESTARTABLE_EXITS:
             # A script's own bug raises on every member: when every worker has failed with an error
             # and no step was committed in between, restarting would only repeat it. (A quarantined
             # slot counts by its last exit.)

@@ -142,19 +142,28 @@ def final_params(out_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     return {os.path.basename(p)[:-3]: torch.load(p) for p in sorted(glob.glob(os.path.join(out_dir, "*.pt")))}
 
 
-def check_same_model(out_dir: str, reference: dict[str, torch.Tensor], members: int, prefix: str = "",
+def check_same_model(out_dir: str, reference: dict[str, torch.Tensor], members: int | list[str], prefix: str = "",
                      tolerance: float = 1e-8) -> float:
-    """Exactly ``members`` members whose names start with ``prefix`` wrote their final parameters
-    to ``out_dir``, and every one equals ``reference`` within ``tolerance`` (relative); returns the
-    worst difference. Counting first means that a run in which nobody wrote cannot pass."""
+    """Exactly ``members`` members (a count, or their names) whose names start with ``prefix``
+    wrote their final parameters to ``out_dir``, and every one equals ``reference`` within
+    ``tolerance`` (relative); returns the worst difference. Counting first means that a run in
+    which nobody wrote cannot pass."""
     finals = {m: p for m, p in final_params(out_dir).items() if m.startswith(prefix)}
-    assert len(finals) == members, f"{len(finals)} members wrote final parameters to {out_dir} ({sorted(finals)}), expected {members}"
+    if isinstance(members, int):
+        assert len(finals) == members, f"{len(finals)} members wrote final parameters to {out_dir} ({sorted(finals)}), expected {members}"
+    else:
+        assert members and sorted(finals) == sorted(members), f"final parameters from {sorted(finals)}, expected {sorted(members)}"
     worst = 0.0
     for member, params in finals.items():
         difference = max_relative_difference(params, reference)
         assert difference < tolerance, f"{member}: relative difference {difference:.3g} from the reference"
         worst = max(worst, difference)
     return worst
+
+
+def finished_members(run_dir: str) -> list[str]:
+    """The members that finished the job (they wrote their lineage: ``--record-samples``)."""
+    return sorted(os.path.basename(p)[: -len(".lineage.json")] for p in glob.glob(os.path.join(run_dir, "samples", "*.lineage.json")))
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -210,7 +219,7 @@ def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: 
     return {"generations": sorted(set(lineage)), "redone_attempts": redone}
 
 
-def check_commits(run_dir: str | list[str]) -> dict[str, Any]:
+def check_commits(run_dir: str | list[str], every_holder_lost: bool = False) -> dict[str, Any]:
     """The invariants over every commit of a run, every generation and every process included
     (DESIGN: Copies of the truth), from the sample logs and the resume events:
 
@@ -219,6 +228,9 @@ def check_commits(run_dir: str | list[str]) -> dict[str, Any]:
     - no generation's first commit is behind the highest step committed before it;
     - in each generation every process that committed step s holds the same lineage digest, and
       in a replica group each member's K processes committed the same steps.
+
+    ``every_holder_lost``: the test lost every holder of the state on purpose, without a
+    checkpoint, so the job started over: only the last check applies.
     """
     dirs = [run_dir] if isinstance(run_dir, str) else run_dir
     records: list[dict[str, Any]] = []
@@ -241,6 +253,8 @@ def check_commits(run_dir: str | list[str]) -> dict[str, Any]:
             highest = r["resume"] - 1
             continue
         g, s = r["g"], r["s"]
+        if every_holder_lost:
+            continue
         assert by_step.setdefault(s, g) == g, f"step {s} committed by generations {by_step[s]} and {g} ({r['member']})"
         if g not in first_of:
             first_of[g] = s

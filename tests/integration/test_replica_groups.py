@@ -218,3 +218,28 @@ def test_a_store_slower_than_the_collective_timeout_holds_up_no_group(tmp_path):
     for params in finals.values():
         assert saved.keys() == params.keys() and all(torch.equal(saved[k], params[k]) for k in saved)
         assert harness.max_relative_difference(params, reference) < 1e-8
+
+
+def test_a_heal_that_hangs_part_way_leaves_every_process_of_a_group_at_one_step(tmp_path, single):
+    """Issue 26's compound fault: process 0 of group 0 killed at step 3, then process 1 of group
+    1 stopped for 2 s while it sends its shard in the heal: group 0's shard 0 was healed, its
+    shard 1 not. Its processes then committed different steps in one generation; now the group
+    counts as fresh and is healed again from group 1, which kept the state."""
+    run = _run(str(tmp_path / "run"), "--chaos", "kill@step,rank=0,step=3;hang@heal,rank=3,for=2", nproc=4)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run.run_dir), 30, "no process left behind")
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)  # with check_commits: a group's processes at one step
+    _check_same_model(run.run_dir, single, 2)
+
+
+def test_a_group_whose_state_cannot_be_mended_restarts_fresh_and_never_trains_split(tmp_path, single):
+    """The same, but process 1 of group 1 stays stopped: group 1 ends, and with it the only whole
+    copy of the state. Group 0 holds half a state that nobody can complete (there is no
+    checkpoint): it ends itself and restarts fresh, and the job starts over from step 0, instead
+    of training its processes from different steps (steps are committed twice: every holder was
+    lost)."""
+    run = _run(str(tmp_path / "run"), "--chaos", "kill@step,rank=0,step=3;hang@heal,rank=3", nproc=4)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run.run_dir), 30, "no process left behind")
+    harness.check_commits(run.run_dir, every_holder_lost=True)
+    _check_same_model(run.run_dir, single, 2)
