@@ -221,10 +221,10 @@ def test_a_store_slower_than_the_collective_timeout_holds_up_no_group(tmp_path):
 
 
 def test_a_heal_that_hangs_part_way_leaves_every_process_of_a_group_at_one_step(tmp_path, single):
-    """Issue 26's compound fault: process 0 of group 0 killed at step 3, then process 1 of group
-    1 stopped for 2 s while it sends its shard in the heal: group 0's shard 0 was healed, its
-    shard 1 not. Its processes then committed different steps in one generation; now the group
-    counts as fresh and is healed again from group 1, which kept the state."""
+    """Issue 26's compound fault, with the state kept: process 0 of group 0 killed at step 3, then
+    process 1 of group 1 stopped for 2 s while it sends its shard in the heal, so group 0's heal
+    fails part-way. Group 1 keeps the state; group 0 is healed again from it, and every
+    invariant holds (this one passed before the fix too: it guards the path a fresh group takes)."""
     run = _run(str(tmp_path / "run"), "--chaos", "kill@step,rank=0,step=3;hang@heal,rank=3,for=2", nproc=4)
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     harness.wait_for(lambda: not harness.alive_workers(run.run_dir), 30, "no process left behind")
