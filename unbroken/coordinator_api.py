@@ -278,7 +278,9 @@ class CoordinatorApi:
         body = await self._json(request)
         if self.state.leave(body["member"], bool(body.get("finished")), int(body.get("step", 0)), time.monotonic()):
             if body.get("finished"):
-                self.events.emit("finished", member=body["member"], step=int(body.get("step", 0)))
+                reason = body.get("reason")
+                self.events.emit("finished", member=body["member"], step=int(body.get("step", 0)),
+                                 **({"reason": str(reason)[:500]} if reason else {}))
             self._bump()
         return self._reply({"ok": True})
 

@@ -32,7 +32,7 @@ import torch
 from unbroken.group import GenerationGroup
 from unbroken.replica_groups import _local  # a sharded parameter's own part: what replica groups reduce
 
-CONTROL_SLOTS = 4  # [members asking to reconfigure, weighted loss sum, counted total, members counting]
+CONTROL_SLOTS = 5  # [members asking to reconfigure, weighted loss sum, counted total, members counting, members asking to stop]
 CONTROL_DTYPES = (torch.float32, torch.float64)
 """Bucket dtypes that carry the control slots themselves; any other gets a float64 control buffer."""
 
@@ -141,7 +141,8 @@ class GradientReducer:
 
     # -- per step ------------------------------------------------------------------------------
 
-    def arm(self, group: GenerationGroup, reconfigure: bool, weighted_loss: torch.Tensor | None, count: float | None = None) -> None:
+    def arm(self, group: GenerationGroup, reconfigure: bool, weighted_loss: torch.Tensor | None, count: float | None = None,
+            stop: bool = False) -> None:
         """Start reducing buckets as their gradients become final (call before the last backward)."""
         self._group = group
         self._armed = True
@@ -161,6 +162,7 @@ class GradientReducer:
                 control[1] = 0.0
             control[2] = 0.0 if count is None else count
             control[3] = 0.0 if count is None else 1.0
+            control[4] = 1.0 if stop else 0.0
 
     def _control_slots(self) -> torch.Tensor | None:
         """The control slots: a view into the first bucket, or their own float64 buffer."""
@@ -197,12 +199,13 @@ class GradientReducer:
             except Exception as exc:  # the group is broken: finish() reports it
                 self.error = exc
 
-    def finish(self, in_flight: Callable[[], None] | None = None) -> tuple[float, float, float, float]:
+    def finish(self, in_flight: Callable[[], None] | None = None) -> tuple[float, float, float, float, float]:
         """Launch what is left, wait for every bucket and write the sums back into ``.grad``.
 
         ``in_flight`` is called once every bucket was sent and before any wait (a fault point).
         Returns the summed control slots (members asking to reconfigure, weighted loss sum,
-        counted total and members counting, the last two for losses normalised by a global count).
+        counted total and members counting, the last two for losses normalised by a global count,
+        and members asking to stop the job, :meth:`unbroken.Job.stop`).
         Raises :class:`~unbroken.errors.GenerationFailed` if any allreduce fails or is abandoned;
         the gradients are then left unreduced and must not be applied.
         """
@@ -223,9 +226,9 @@ class GradientReducer:
             bucket.unpack()
         control = self._control_slots()
         if control is None:
-            return 0.0, 0.0, 0.0, 0.0
-        flag, loss, count, counting = control.tolist()  # one read (one sync on a GPU)
-        return float(flag), float(loss), float(count), float(counting)
+            return 0.0, 0.0, 0.0, 0.0, 0.0
+        flag, loss, count, counting, stop = control.tolist()  # one read (one sync on a GPU)
+        return float(flag), float(loss), float(count), float(counting), float(stop)
 
     def disarm(self) -> None:
         self._armed = False

@@ -486,7 +486,8 @@ class Joiner:
         """Tell the coordinator that this member leaves, and stop heartbeating."""
         if self.client is not None:
             try:
-                self.client.post("/v1/leave", member=self.job.member_id, finished=finished, step=self.job.next_step)
+                self.client.post("/v1/leave", member=self.job.member_id, finished=finished, step=self.job.next_step,
+                                 **({"reason": self.job.stop_reason} if finished and self.job.stop_reason else {}))
             except UnbrokenError as exc:
                 log.warning("could not tell the coordinator that this member leaves: %s", exc)
         if self.heartbeat is not None:

@@ -37,7 +37,7 @@ from unbroken import devices, healing, mixed_precision
 from unbroken.chaos import Chaos
 from unbroken.checkpointing import Checkpointing
 from unbroken.data_plan import DataPlan
-from unbroken.errors import ConfigError, GenerationFailed
+from unbroken.errors import ConfigError, GenerationFailed, LoopMisuse
 from unbroken.healer import Healer
 from unbroken.joining import Joiner
 from unbroken.lifetime import ExitGuard
@@ -179,6 +179,8 @@ class Job:
         self.member_count = 1
         self.replica_hash: str | None = None
         self.total: int | None = None
+        self.stop_reason: str | None = None
+        """Why the job ends before ``total`` (:meth:`stop`, or the loop left with ``break``)."""
 
     def _choose_backend(self, model: torch.nn.Module) -> None:
         """The model's device and, in a distributed job, the backend its groups use."""
@@ -220,6 +222,17 @@ class Job:
         """True on the member at index 0 of the current generation (and in a single process)."""
         return self.member_index == 0
 
+    def stop(self, reason: str = "stopped by the script") -> None:
+        """End the job early, for every member, at one step boundary: call it on any member (an
+        early-stopping rule on the leader, say). The request travels with the next step's
+        gradient reduce, so every member learns of it at the same point: that step is not
+        committed, and :meth:`steps` ends at the boundary before it, after the final replica
+        check and the final checkpoint, as at a normal end. The launcher exits 0 and the job is
+        recorded as finished, with ``reason``. In a single process the loop ends at the next
+        boundary."""
+        if self.stop_reason is None:
+            self.stop_reason = str(reason)
+
     def steps(self, total: int) -> Iterator[Step]:
         """Yield steps ``next_step .. total-1``; each must end in :meth:`Step.commit` (done for you
         if the loop body does not). A step whose allreduce failed is yielded again."""
@@ -236,18 +249,41 @@ class Job:
         self._loader.start(total)
         try:
             self._checkpointing.open(resume=self.fresh)
-            while self.next_step < total:
+            while self.next_step < total and self.stop_reason is None:
                 step = Step(self, self.next_step)
-                yield step
+                try:
+                    yield step
+                except GeneratorExit:  # the script left the loop (break): end here, as at a normal end
+                    self._left_loop(step)
+                    self._checkpointing.final()
+                    return
                 step.commit()
                 self._checkpointing.maybe_save()
             self._checkpointing.final()
         finally:
             self._loader.close()
 
+    def _left_loop(self, step: Step) -> None:
+        """The loop body left ``step`` with ``break``: the job ends at this boundary. A step it did
+        not commit is undone in a distributed job (alone, the script may still use it)."""
+        if step.committed:
+            self.stop(f"the script left the loop after step {step.index}")
+        elif self.distributed:
+            if self._reducer is not None:
+                self._reducer.disarm()
+            step._discard()
+            self.stop(f"the script left the loop at step {step.index}, before committing it")
+
+    def _finish(self) -> bool:
+        """The end of the job, at this step boundary, for every member together: the final
+        replica check, then the final checkpoint (each a decision of a replica group as a whole,
+        so that a process whose check failed never leaves the others half-way into a save)."""
+        return (self._together(verify_replicas(self), "could not compare replicas")
+                and self._together(self._checkpointing.final_together(), "could not finish"))
+
     def _steps_together(self, total: int) -> Iterator[Step]:
         """Under a coordinator: join, heal, step, commit or redo, until every member is at ``total``."""
-        finished = False
+        finished = stopping = False
         self._loader.start(total)  # forks the loader workers before any thread of the runtime runs
         self._joiner.start()
         # Whether to resume from a checkpoint is decided when a generation forms (see Healer.heal).
@@ -259,11 +295,8 @@ class Job:
                         finished = True
                         break
                     continue
-                if self.next_step >= total:
-                    # the group decides together at each stage: a process whose replica check failed
-                    # must not leave the others half-way into a sharded save over their group
-                    if (self._together(verify_replicas(self), "could not compare replicas")
-                            and self._together(self._checkpointing.final_together(), "could not finish")):
+                if self.next_step >= total or (self.stop_reason is not None and stopping):
+                    if self._finish():
                         finished = True
                         break
                     continue
@@ -278,9 +311,24 @@ class Job:
                         self._abandon(reason)
                     continue
                 step = Step(self, self.next_step)
-                yield step
+                try:
+                    yield step
+                except GeneratorExit:
+                    # break: every member must leave after the same step (a decision taken on the
+                    # same reduced values); then the job ends here as at a normal end
+                    self._left_loop(step)
+                    if self._joiner.group is None or not self._finish():
+                        raise LoopMisuse(
+                            f"the loop was left at step {self.next_step}, but the job could not end there with every member"
+                            " (did every member leave after the same step?); to stop from one member, call"
+                            " job.stop(reason) and let the loop end") from None
+                    finished = True
+                    return
                 if not step.committed and not step.failed:
                     step.commit()
+                if step.stopped:
+                    stopping = True  # every member saw the request in this reduce: end at this boundary
+                    continue
                 if step.failed:
                     self._abandon(str(step.error))
                     continue

@@ -46,6 +46,9 @@ class Step:
         """True once committed if a GradScaler found inf/nan gradients and skipped the optimizer
         step (the same on every member: they all see the same reduced gradients)."""
         self.failed = False
+        self.stopped = False
+        """True if a member asked to stop the job (:meth:`~unbroken.Job.stop`) before this step's
+        reduce: the step is not committed, and the job ends at the boundary before it."""
         self.error: Exception | None = None
         self.started = time.monotonic()
         self._grads_at_start = job._grad_count()
@@ -145,7 +148,8 @@ class Step:
         if self._stale:
             return
         job._samples.attempt(self)
-        job._reducer.arm(job._joiner.group, job._joiner.reconfigure_wanted(), self._loss_sum, self._count if self._counting else None)
+        job._reducer.arm(job._joiner.group, job._joiner.reconfigure_wanted(), self._loss_sum, self._count if self._counting else None,
+                         stop=job.stop_reason is not None)
 
     def reduce(self) -> bool:
         """Allreduce the gradients; afterwards ``.grad`` holds the global-batch gradient on every member.
@@ -158,12 +162,16 @@ class Step:
         self._check_loop()
         job = self.job
         if job._reducer is None:
+            if job.stop_reason is not None:
+                return self._stop()
             loss = float(self._loss_sum) if self._loss_sum is not None else 0.0
             self.loss = self._normalise(loss, self._count, 1.0 if self._counting else 0.0)
             self._reduced = True
             return True
         try:
-            flag, loss, count, counting = self._reduce_shared()
+            flag, loss, count, counting, stop = self._reduce_shared()
+            if stop > 0:
+                return self._stop()
             self.reconfigure = flag > 0
             self.loss = self._normalise(loss, count, counting)
             self._reduced = True
@@ -175,14 +183,25 @@ class Step:
             self._discard()
         return self._reduced
 
-    def _reduce_shared(self) -> tuple[float, float, float, float]:
+    def _stop(self) -> bool:
+        """A member asked to stop the job: every member sees it in the same reduce, so none
+        commits this step and all end at the boundary before it."""
+        self.stopped, self._reduced = True, False
+        if self.job._reducer is not None:
+            self.job._reducer.disarm()
+        self._discard()
+        if self.job.stop_reason is None:
+            self.job.stop_reason = "another member stopped the job"
+        return False
+
+    def _reduce_shared(self) -> tuple[float, float, float, float, float]:
         """Allreduce this member's gradients (its shard's, in a replica group) and return the summed
         control slots; raises :class:`GenerationFailed` if the generation broke. In a replica group
         every process then votes: the step goes on only if every process reduced its shard, and
         the control slots are summed over the group's processes too."""
         job = self.job
         error: GenerationFailed | None = None
-        sums = [0.0] * 4
+        sums = [0.0] * 5
         try:
             self._arm()
             if self._stale:
@@ -196,8 +215,8 @@ class Step:
             error = GenerationFailed(f"step {self.index}: another process of this replica group could not reduce its shard")
         if error is not None:
             raise error
-        flag, loss, count, counting = sums
-        return flag, loss, count, counting
+        flag, loss, count, counting, stop = sums
+        return flag, loss, count, counting, stop
 
     def _sync_buffers(self) -> None:
         """Give every member the buffers (BatchNorm statistics, ...) of the generation's rank 0,

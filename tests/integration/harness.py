@@ -214,7 +214,8 @@ def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: 
         assert sorted(covered) == expected, f"step {step} (generation {generation}): positions {sorted(covered)[:8]}... != {expected[:8]}..."
         parts = records[0]["n"] * records[0].get("k", 1)  # k: processes per replica group
         assert len(records) == parts, f"step {step}: {len(records)} shares logged for {parts} parts ({records[0]['n']} members)"
-    redone = sum(1 for (g, s) in attempts if lineage[s] != g) if lineage else 0
+    # an attempt beyond the lineage: a step begun and never committed (the job stopped early)
+    redone = sum(1 for (g, s) in attempts if s >= len(lineage) or lineage[s] != g)
     check_commits(dirs)
     return {"generations": sorted(set(lineage)), "redone_attempts": redone}
 

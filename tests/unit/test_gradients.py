@@ -83,8 +83,8 @@ def test_control_slots_sum_exactly_whatever_the_parameters_dtype(dtype):
         assert not errors, errors
         loss = float(torch.tensor(70000.25, dtype=dtype).double() + torch.tensor(70001.25, dtype=dtype).double())
         for rank in (0, 1):
-            (flag, loss_sum, count, counting), grads = results[rank]
-            assert (flag, count, counting) == (1.0, 200007.0, 2.0), (rank, flag, count, counting)
+            (flag, loss_sum, count, counting, stop), grads = results[rank]
+            assert (flag, count, counting, stop) == (1.0, 200007.0, 2.0, 0.0), (rank, flag, count, counting)
             assert loss_sum == loss, (rank, loss_sum, loss)  # each member's loss as given, summed exactly
             assert all(g == [2.0] for g in grads), grads  # the gradients still reduce in their own dtype
     finally:
