@@ -337,7 +337,23 @@ class Coordinator(CoordinatorApi, Leading):
             self.events.emit(
                 "generation", generation=generation.number, members=list(generation.members), reason=decision.reason, **taken
             )
+            self._note_state_lost(generation)
         self._wake_changed()
+
+    def _note_state_lost(self, generation: Any) -> None:
+        """Say so when a generation forms behind the job: every member that held the job's
+        newest committed step is gone (killed together, or the last one while it healed the
+        others), so the generation trains from the best state left: a checkpoint's, or the
+        initial one. Its steps after that are committed a second time; the `state_lost` event
+        names them."""
+        best = max((self.state.members[m].step for m in generation.members if m in self.state.members), default=0)
+        known = max(self.state.committed_step(), self.state.holder_step)
+        if best >= known:
+            return
+        message = (f"generation {generation.number} forms at step {best}: every member that held step {known} is gone;"
+                   " it goes on from a checkpoint if there is one, else from the initial state")
+        log.warning("%s", message)
+        self.events.emit("state_lost", generation=generation.number, step=best, lost=known)
 
     def _wake_changed(self) -> None:
         """Wake the long polls whose answer may have changed: all of them if the view shared by

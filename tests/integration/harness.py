@@ -224,7 +224,8 @@ def check_commits(run_dir: str | list[str], every_holder_lost: bool = False) -> 
     """The invariants over every commit of a run, every generation and every process included
     (DESIGN: Copies of the truth), from the sample logs and the resume events:
 
-    - each step is committed by at most one generation (a resume from a checkpoint at step c
+    - each step is committed by at most one generation (a resume from a checkpoint at step c,
+      or a ``state_lost`` generation formed at step c after every holder of the state was lost,
       lets later generations commit steps >= c again: everyone that held them is gone);
     - no generation's first commit is behind the highest step committed before it;
     - in each generation every process that committed step s holds the same lineage digest, and
@@ -243,7 +244,9 @@ def check_commits(run_dir: str | list[str], every_holder_lost: bool = False) -> 
                 if "commit" in record:
                     records.append({**record, "member": member})
     assert records, "no commit was recorded (was the run started with --record-samples?)"
-    resumes = sorted((e["t"], e["step"]) for d in dirs for e in Run(0, "", "", d).events("resume"))
+    # a checkpoint's resume, or a generation the coordinator formed behind the job after every
+    # holder of the state was lost (state_lost): the steps from there on may be committed again
+    resumes = sorted((e["t"], e["step"]) for d in dirs for kind in ("resume", "state_lost") for e in Run(0, "", "", d).events(kind))
     timeline = sorted([(r["t"], 1, r) for r in records] + [(t, 0, {"resume": step}) for t, step in resumes], key=lambda x: (x[0], x[1]))
     by_step: dict[int, int] = {}
     highest = -1
