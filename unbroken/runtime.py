@@ -122,6 +122,12 @@ class Job:
             self.plan = DataPlan(*plan_args)
         self.model = model
         self.optimizer = optimizer
+        self._committing = False
+        """True while :meth:`Step.commit` steps the optimizer: its only rightful caller."""
+        previous = getattr(optimizer, "_unbroken_step_hook", None)
+        if previous is not None:  # one job at a time watches an optimizer: the newest
+            previous.remove()
+        optimizer._unbroken_step_hook = optimizer.register_step_pre_hook(self._check_optimizer_step)
         self.dataset = dataset
         self.scheduler = scheduler
         self.extra_state = extra_state
@@ -221,6 +227,15 @@ class Job:
     def is_leader(self) -> bool:
         """True on the member at index 0 of the current generation (and in a single process)."""
         return self.member_index == 0
+
+    def _check_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Refuse ``optimizer.step()`` called by the script: the update must wait for the reduce,
+        or members apply their own share's gradients and the replicas drift apart."""
+        if not self._committing:
+            raise LoopMisuse(
+                f"step {self.next_step}: optimizer.step() was called by the script; step.commit() steps the optimizer"
+                " (and the scheduler, and zero_grad) once the gradients are reduced over every member: call"
+                " step.commit() instead")
 
     def stop(self, reason: str = "stopped by the script") -> None:
         """End the job early, for every member, at one step boundary: call it on any member (an

@@ -287,11 +287,15 @@ class Step:
                 self.failed, self.error = True, GenerationFailed(reason if reason.startswith("step ") else f"step {self.index} not committed: {reason}")
                 self._discard()
                 return False
-        if job.scaler is None:
-            job.optimizer.step()
-            stepped = True
-        else:
-            stepped = mixed_precision.step(job.scaler, job.optimizer, job._device)
+        job._committing = True
+        try:
+            if job.scaler is None:
+                job.optimizer.step()
+                stepped = True
+            else:
+                stepped = mixed_precision.step(job.scaler, job.optimizer, job._device)
+        finally:
+            job._committing = False
         self.skipped = not stepped
         if job.scheduler is not None:
             job.scheduler.step()

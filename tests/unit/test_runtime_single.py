@@ -394,3 +394,17 @@ def test_a_commit_past_the_lease_waits_for_the_coordinator_to_answer_again():
     reason = job._joiner.commit_reason(1)
     assert reason and "no reply from the coordinator" in reason
     assert 0.1 < _time.monotonic() - started < 2.0
+
+
+def test_an_optimizer_stepped_by_the_script_is_refused_on_the_first_step():
+    from unbroken.errors import LoopMisuse
+
+    job = _job(micro_batch_size=4)
+    before = copy.deepcopy(job.model.state_dict())
+    step = next(iter(job.steps(total=2)))
+    for xb, yb in step.micro_batches():
+        step.backward(torch.nn.functional.mse_loss(job.model(xb), yb))
+    with pytest.raises(LoopMisuse, match=r"step 0: optimizer.step\(\) was called by the script.*call step.commit\(\) instead"):
+        job.optimizer.step()
+    assert all(torch.equal(before[k], v) for k, v in job.model.state_dict().items())  # refused before it changed anything
+    assert step.commit() and job.next_step == 1  # the rightful caller still may
