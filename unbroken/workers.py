@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,15 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+_ERROR_LINE = re.compile(r"^(Traceback \(most recent call last\)|([a-z_]\w*\.)*[A-Z]\w*(Error|Exception|Misuse|Failed|Divergence)\b|unbroken: error)")
+
+
+def _looks_like_an_error(line: str) -> bool:
+    """A line the console shows from any worker, whichever worker's output it follows: the first
+    and the last line of a traceback, and unbroken's own errors."""
+    return bool(_ERROR_LINE.match(line))
 
 
 class WorkerProcesses:
@@ -241,15 +251,27 @@ class WorkerProcesses:
         prefix = f"[p{index}] ".encode() if index else b""
         for line in iter(proc.stdout.readline, b""):
             logfile.write(prefix + line)
-            if not index and self._console_rank() == worker.local_rank:
+            if index:
+                continue
+            text = line.decode(errors="replace")
+            if self._console_rank() == worker.local_rank or _looks_like_an_error(text):
+                leader = getattr(self, "_leader", None)
+                tag = " leader" if leader is not None and worker.member_id == leader else ""
                 with self._console_lock:
-                    sys.stdout.write(f"[w{worker.local_rank}] {line.decode(errors='replace')}")
+                    sys.stdout.write(f"[w{worker.local_rank}{tag}] {text}")
                     sys.stdout.flush()
         logfile.close()
 
     def _console_rank(self) -> int | None:
+        """The worker whose output the console shows: ``--tee``'s, else the job's leader when it
+        is one of this node's workers (the leader changes with generations), else the lowest
+        local rank that runs."""
         if self.settings.tee is not None:
             return self.settings.tee
+        leader = getattr(self, "_leader", None)
+        for w in self.workers:
+            if leader is not None and w.member_id == leader and w.state is WorkerState.RUNNING:
+                return w.local_rank
         for w in self.workers:
             if w.state is WorkerState.RUNNING and w.proc is not None and w.proc.poll() is None:
                 return w.local_rank

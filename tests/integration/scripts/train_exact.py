@@ -45,6 +45,7 @@ parser.add_argument("--inf-sample", type=int, default=None, help="this dataset i
 parser.add_argument("--scaler-log", default=None, help="append every commit's (member, step, skipped, scale) here")
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: this worker's GPU (cuda:LOCAL_RANK), deterministic algorithms, TF32 off")
 parser.add_argument("--amp", choices=["fp16", "bf16"], default=None, help="a float32 model whose forward runs under autocast; fp16 implies --scaler")
+parser.add_argument("--leader-says", action="store_true", help="the leader prints 'LEADER step N' after each commit")
 parser.add_argument("--stop-at", type=int, default=None, help="the leader calls job.stop() after committing this step")
 parser.add_argument("--break-at", type=int, default=None, help="every member leaves the loop with break after committing this step")
 parser.add_argument("--half", choices=["float16", "bfloat16"], default=None, help="a model in this dtype, trained with SGD (with --token-loss)")
@@ -188,6 +189,8 @@ for step in job.steps(total=args.steps):
         with open(args.scaler_log, "a") as f:
             f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID", "single")}", "step": {step.index}, "skipped": {str(step.skipped).lower()}, "scale": {job.scaler.get_scale()!r}}}\n')
     print(f"step {step.index} loss {step.loss:.6f} members {step.members}", flush=True)
+    if args.leader_says and step.committed and job.is_leader:
+        print(f"LEADER step {step.index}", flush=True)
     if args.stop_at is not None and step.committed and step.index >= args.stop_at and job.is_leader:
         job.stop(f"early stop after step {step.index}")
     if args.break_at is not None and step.committed and step.index == args.break_at:
