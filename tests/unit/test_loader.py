@@ -346,3 +346,45 @@ def test_a_replica_group_process_with_a_short_or_empty_part_gets_empty_batches_s
             pids = made.pids()
             made.close()
             assert _gone(pids)
+
+
+class _Windows(torch.utils.data.Dataset):
+    """nanoGPT's random windows as a map-style data set (docs/guide/input-pipelines.md)."""
+
+    def __init__(self, data: torch.Tensor, block_size: int, windows: int) -> None:
+        self.data, self.block_size, self.n = data, block_size, windows
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        start = int(torch.randint(len(self.data) - self.block_size, (1,), generator=sample_rng()))
+        chunk = self.data[start:start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def test_random_windows_drawn_per_position_are_the_same_whoever_draws_them():
+    """The torch.randint pattern made exactly once: one window per stream position, from its seed,
+    the same for any split into members and micro-batches and whatever the global RNG holds."""
+    data = torch.arange(1000)
+    dataset = _Windows(data, block_size=8, windows=50)
+
+    def windows(members: int, micro: int) -> list[list[int]]:
+        cut = DataPlan(len(dataset), 12, micro, seed=5)
+        loader = Loader(dataset, cut)
+        got = []
+        try:
+            loader.start(3)
+            for step in range(3):
+                for rank in range(members):
+                    for m in range(len(cut.micro_batches(step, rank, members))):
+                        torch.manual_seed(1000 * step + rank)  # the global generator must not matter
+                        xb, _ = loader.get(step, rank, members, m)
+                        got += [int(row[0]) for row in xb]
+        finally:
+            loader.close()
+        return got
+
+    one = windows(1, 12)
+    assert one == windows(3, 2) == windows(4, 3)
+    assert len(one) == 36 and len(set(one)) > 30  # random starts, not one window again and again
