@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.integration import harness
+from unbroken.store_keys import key_tag
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,9 @@ def test_a_failing_process_ends_and_restarts_its_whole_group_and_no_other(tmp_pa
         assert (r["UNBROKEN_GROUP_SIZE"], r["UNBROKEN_RANK_IN_GROUP"], r["UNBROKEN_RESTART_COUNT"]) == ("2", str(j), str(restart))
         assert (r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"]) == (str(slot * 2 + j), "4")
         assert r["UNBROKEN_GROUP_STORE"] == store  # one store per launcher, reachable: the probes met there
-        assert r["UNBROKEN_GROUP_PREFIX"] == f"unbroken/group/n1.w{slot}/{restart}/"
+        # named from the job's token: nobody without it can name the group's keys in the store
+        assert r["UNBROKEN_TOKEN"] and r["UNBROKEN_GROUP_PREFIX"] == (
+            f"unbroken/group/{key_tag(r['UNBROKEN_TOKEN'], f'group/n1.w{slot}/{restart}')}n1.w{slot}/{restart}/")
         assert r["UNBROKEN_GROUP_TIMEOUT"] == "3.0"  # --heartbeat-timeout
         group = [records[f"n1.w{slot}.r{restart}.p{i}"]["pid"] for i in range(2)]
         assert r["peer_pids"] == group  # met its own incarnation's processes under its prefix

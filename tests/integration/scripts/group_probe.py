@@ -23,7 +23,7 @@ slot = member.split(".")[-2]  # <node>.w<slot>.r<restart>
 restart = int(env["UNBROKEN_RESTART_COUNT"])
 record = {k: env.get(k) for k in (
     "UNBROKEN_MEMBER_ID", "UNBROKEN_GROUP_SIZE", "UNBROKEN_RANK_IN_GROUP", "UNBROKEN_GROUP_STORE", "UNBROKEN_GROUP_PREFIX",
-    "UNBROKEN_GROUP_TIMEOUT", "UNBROKEN_RESTART_COUNT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "UNBROKEN_GROUP_TIMEOUT", "UNBROKEN_RESTART_COUNT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "UNBROKEN_TOKEN",
 )}
 record["pid"] = os.getpid()
 record["pgid"] = os.getpgid(0)
