@@ -256,6 +256,23 @@ class GenerationGroup:
         finally:
             self._blocked(None)
 
+    def all_arrive(self, name: str, timeout: float) -> bool:
+        """Count this member in at barrier ``name`` of the generation's store and wait, at most
+        ``timeout`` seconds, for every member to be counted in: True if all were, False after
+        the timeout, if the generation was abandoned, or if the store failed. No collective: a
+        peer that is not coming waits in a collective of its own, which this must not mismatch."""
+        key = f"arrive/{name}"
+        try:
+            self.store.add(key, 1)
+            deadline = time.monotonic() + timeout
+            while self.store.add(key, 0) < self.size:
+                if time.monotonic() > deadline or self._abandoned():
+                    return False
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - the store's errors are bare RuntimeErrors
+            return False
+        return True
+
     def _issued(self, work: Any) -> Any:
         self.works = [w for w in self.works if not _completed(w)]
         self.works.append(work)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -268,9 +269,10 @@ class Job:
                 step = Step(self, self.next_step)
                 try:
                     yield step
-                except GeneratorExit:  # the script left the loop (break): end here, as at a normal end
-                    self._left_loop(step)
-                    self._checkpointing.final()
+                except GeneratorExit:
+                    if step.committed:  # a break after the step's commit: the job ends here, as at a normal end
+                        self.stop(f"the script left the loop after step {step.index}")
+                        self._checkpointing.final()
                     return
                 step.commit()
                 self._checkpointing.maybe_save()
@@ -278,16 +280,26 @@ class Job:
         finally:
             self._loader.close()
 
-    def _left_loop(self, step: Step) -> None:
-        """The loop body left ``step`` with ``break``: the job ends at this boundary. A step it did
-        not commit is undone in a distributed job (alone, the script may still use it)."""
-        if step.committed:
-            self.stop(f"the script left the loop after step {step.index}")
-        elif self.distributed:
-            if self._reducer is not None:
-                self._reducer.disarm()
-            step._discard()
-            self.stop(f"the script left the loop at step {step.index}, before committing it")
+    def _left_together(self, step: Step) -> bool:
+        """The loop was left after ``step``'s commit (a ``break``, or an exception raised after the
+        commit): True once every member of the generation left after the same step and the job
+        ended there together, as at a normal end. Who else left is counted in the generation's
+        store, never by a collective: a peer that went on waits in the next allreduce, and a
+        collective it does not expect would mismatch its own. False when this member left alone
+        (within a few seconds): it then leaves the job unfinished, as before."""
+        group = self._joiner.group
+        if group is None:
+            return False
+        bound = min(10.0, self.settings.collective_timeout / 3)
+        with self._joiner.busy("leaving the training loop"):
+            together = group.all_arrive(f"left/{step.index}", bound)
+        if not together:
+            print(f"unbroken: {self.member_id}: left the training loop after step {step.index}, but not every member did"
+                  f" within {bound:.0f} s; this member leaves the job unfinished (to stop the job from one member, call"
+                  " job.stop(reason) and let the loop end)", file=sys.stderr, flush=True)
+            return False
+        self.stop(f"the script left the loop after step {step.index}")
+        return self._finish()
 
     def _finish(self) -> bool:
         """The end of the job, at this step boundary, for every member together: the final
@@ -329,16 +341,13 @@ class Job:
                 try:
                     yield step
                 except GeneratorExit:
-                    # break: every member must leave after the same step (a decision taken on the
-                    # same reduced values); then the job ends here as at a normal end
-                    self._left_loop(step)
-                    if self._joiner.group is None or not self._finish():
-                        raise LoopMisuse(
-                            f"the loop was left at step {self.next_step}, but the job could not end there with every member"
-                            " (did every member leave after the same step?); to stop from one member, call"
-                            " job.stop(reason) and let the loop end") from None
-                    finished = True
-                    return
+                    # The loop body left: a break, or an exception. After the step's commit, when
+                    # every member left after the same step, the job ends here as at a normal end;
+                    # otherwise this member leaves unfinished, as it always did.
+                    if step.committed and self._left_together(step):
+                        finished = True
+                        return
+                    raise
                 if not step.committed and not step.failed:
                     step.commit()
                 if step.stopped:
