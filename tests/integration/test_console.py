@@ -13,12 +13,15 @@ pytestmark = pytest.mark.slow
 
 def test_the_console_shows_the_leaders_lines_whichever_worker_leads(tmp_path):
     steps = 24
-    run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "3", "--chaos", "kill@step,rank=0,step=4;kill@step,rank=1,step=12",
+    # every worker is killed once: whichever led first (the order of a generation is the order of
+    # joining, not of local ranks) dies, and another worker leads after it
+    run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "3",
+                           "--chaos", "kill@step,rank=0,step=4;kill@step,rank=1,step=10;kill@step,rank=2,step=16",
                            harness.EXACT, "--steps", str(steps), "--step-delay", "0.15", "--leader-says")
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     shown = {int(m.group(2)): m.group(1) for m in re.finditer(r"^\[(w\d) leader\] LEADER step (\d+)$", run.stdout, re.M)}
     # the console learns of a new leader within its half-second poll: a step or two may be missed
-    assert len(shown) >= steps - 6, sorted(shown)
+    assert len(shown) >= steps - 8, sorted(shown)
     assert len(set(shown.values())) >= 2, shown  # more than one worker led, and the console followed
 
 
