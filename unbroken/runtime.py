@@ -125,6 +125,10 @@ class Job:
         self.optimizer = optimizer
         self._committing = False
         """True while :meth:`Step.commit` steps the optimizer: its only rightful caller."""
+        self._in_loop_body = False
+        """True while the script's loop body runs a step: there, only :meth:`Step.commit` may step
+        the optimizer (unbroken's own loads may, between steps: DCP initialises optimizer state
+        with a step of zero gradients)."""
         previous = getattr(optimizer, "_unbroken_step_hook", None)
         if previous is not None:  # one job at a time watches an optimizer: the newest
             previous.remove()
@@ -232,7 +236,7 @@ class Job:
     def _check_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Refuse ``optimizer.step()`` called by the script: the update must wait for the reduce,
         or members apply their own share's gradients and the replicas drift apart."""
-        if not self._committing:
+        if self._in_loop_body and not self._committing:
             raise LoopMisuse(
                 f"step {self.next_step}: optimizer.step() was called by the script; step.commit() steps the optimizer"
                 " (and the scheduler, and zero_grad) once the gradients are reduced over every member: call"
@@ -268,12 +272,15 @@ class Job:
             while self.next_step < total and self.stop_reason is None:
                 step = Step(self, self.next_step)
                 try:
+                    self._in_loop_body = True
                     yield step
                 except GeneratorExit:
+                    self._in_loop_body = False
                     if step.committed:  # a break after the step's commit: the job ends here, as at a normal end
                         self.stop(f"the script left the loop after step {step.index}")
                         self._checkpointing.final()
                     return
+                self._in_loop_body = False
                 step.commit()
                 self._checkpointing.maybe_save()
             self._checkpointing.final()
@@ -339,8 +346,10 @@ class Job:
                     continue
                 step = Step(self, self.next_step)
                 try:
+                    self._in_loop_body = True
                     yield step
                 except GeneratorExit:
+                    self._in_loop_body = False
                     # The loop body left: a break, or an exception. After the step's commit, when
                     # every member left after the same step, the job ends here as at a normal end;
                     # otherwise this member leaves unfinished, as it always did.
@@ -348,6 +357,7 @@ class Job:
                         finished = True
                         return
                     raise
+                self._in_loop_body = False
                 if not step.committed and not step.failed:
                     step.commit()
                 if step.stopped:

@@ -401,7 +401,8 @@ def test_an_optimizer_stepped_by_the_script_is_refused_on_the_first_step():
 
     job = _job(micro_batch_size=4)
     before = copy.deepcopy(job.model.state_dict())
-    step = next(iter(job.steps(total=2)))
+    steps = job.steps(total=2)  # held: the loop body runs while the generator is alive
+    step = next(steps)
     for xb, yb in step.micro_batches():
         step.backward(torch.nn.functional.mse_loss(job.model(xb), yb))
     with pytest.raises(LoopMisuse, match=r"step 0: optimizer.step\(\) was called by the script.*call step.commit\(\) instead"):
