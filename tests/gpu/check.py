@@ -157,21 +157,26 @@ def nccl_one_rank():
     return {"value": t.tolist()}
 
 
-@check("3b nccl two ranks, the second never arrives: aborted within the collective timeout")
-def nccl_missing_peer():
+def _without_a_peer(store, number, rank, timeout):
+    """A two-rank NCCL group whose other rank never arrives, as ``rank``: the group, how long until
+    the wait was abandoned, and the error."""
     from unbroken.errors import GenerationFailed
 
-    store = _store()
-    timeout = 5.0
-    group = _group(3, 2, timeout)
+    group = _group(number, 2, timeout, rank=rank)
     started = time.monotonic()
     try:
-        group.connect(store, "g3/", "127.0.0.1")
+        group.connect(store, f"g{number}/", "127.0.0.1")
         group.allreduce(torch.ones(4, device="cuda"), "allreduce")
-        raise AssertionError("the collective completed without its peer")
+        raise AssertionError(f"the collective completed without rank {1 - rank}")
     except GenerationFailed as exc:
-        waited = time.monotonic() - started
-        message = str(exc)
+        return group, time.monotonic() - started, str(exc)
+
+
+@check("3b nccl two ranks, the second never arrives: aborted within the collective timeout")
+def nccl_missing_peer():
+    store = _store()
+    timeout = 5.0
+    group, waited, message = _without_a_peer(store, 3, rank=0, timeout=timeout)
     assert group.aborted or "timed out" in message, message
     assert waited < timeout + 3.0, waited
     again = _group(4, 1, 10.0)  # the process goes on: a fresh communicator works
@@ -323,19 +328,8 @@ def reducer_streams():
 
 @check("10 a two-rank group whose rank 0 never arrives")
 def missing_rank_zero():
-    from unbroken.errors import GenerationFailed
-
-    store = _store()
     timeout = 5.0
-    group = _group(10, 2, timeout, rank=1)
-    started = time.monotonic()
-    try:
-        group.connect(store, "g10/", "127.0.0.1")
-        group.allreduce(torch.ones(4, device="cuda"), "allreduce")
-        raise AssertionError("the collective completed without rank 0")
-    except GenerationFailed as exc:
-        message = str(exc)
-    waited = time.monotonic() - started
+    _, waited, message = _without_a_peer(_store(), 10, rank=1, timeout=timeout)
     assert waited < timeout + 3.0, waited
     return {"abandoned_after_s": round(waited, 2), "timeout_s": timeout, "error": message[:200]}
 
