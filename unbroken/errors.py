@@ -70,3 +70,8 @@ EX_TEMPFAIL: a restart of the whole group is the cure). Distinct from a crash (1
 
 RESTARTABLE_EXITS = frozenset({EXIT_PEER_SILENT, EXIT_RESTART_FRESH})
 """Exits that ask for a restart: never counted as the script's own error."""
+
+
+class LeaderCallFailed(UnbrokenError, RuntimeError):
+    """The function that :meth:`~unbroken.Job.on_leader` ran on the leader raised (every other
+    member raises this, naming the leader's error), or its result could not be shared."""

@@ -247,12 +247,17 @@ class GenerationGroup:
             except Exception as exc:
                 raise GenerationFailed(f"generation {self.number}: {what}: store unreachable: {exc}") from None
 
+        self.watch_unbounded(done, what, poll=0.1)
+
+    def watch_unbounded(self, done: Callable[[], bool], what: str, poll: float) -> None:
+        """Wait until ``done()``, marked as waiting for a peer, with no timeout (raises
+        :class:`GenerationFailed` if the generation is abandoned meanwhile)."""
         if done():
             return
         self._waits += 1
         self._blocked(f"g{self.number}:{self._waits}:{what}")
         try:
-            self._watch_loop(done, what, bounded=False, poll=0.1)
+            self._watch_loop(done, what, bounded=False, poll=poll)
         finally:
             self._blocked(None)
 

@@ -165,6 +165,13 @@ class Job:
         self._grad_events = 0  # gradient accumulations seen by a single process's hooks
         self._buffers = [b for b in model.buffers() if b.numel()]
         self._watch_gradients(model)
+        from unbroken.leader_calls import LeaderCalls
+
+        self._leader_calls = LeaderCalls(
+            lambda: self._joiner.group, self._rejoin, self._joiner.busy, lambda: self.next_step, self._device,
+            self.settings.collective_timeout,
+        )
+        self._started_generation = 0  # the generation whose first step passed first_step_barrier
 
     def _replica_group(self) -> Any:
         """The replica group this process is in (:func:`unbroken.group_mesh` made it), or None."""
@@ -241,6 +248,32 @@ class Job:
                 f"step {self.next_step}: optimizer.step() was called by the script; step.commit() steps the optimizer"
                 " (and the scheduler, and zero_grad) once the gradients are reduced over every member: call"
                 " step.commit() instead")
+
+    def on_leader(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once, on the leader, and return its result on every member.
+
+        Call it on every member at the same point of the loop, after a commit (an evaluation
+        every 100 steps, a log line, a ``torch.save``). The leader runs ``fn``; the others wait
+        for its result without a collective timeout and are never taken for stuck, however long
+        ``fn`` takes, up to ``--busy-timeout`` (default an hour). The result (plain data: numbers,
+        strings, lists, dicts, tensors) is returned on every member, so what the script derives
+        from it (a best loss, ``job.stop(...)``) is the same everywhere. If the leader dies inside
+        ``fn`` the survivors re-form and the new leader runs it again; if ``fn`` raises, the
+        leader raises the error and every other member :class:`~unbroken.errors.LeaderCallFailed`
+        naming it. In a single process it is ``fn(*args, **kwargs)``."""
+        if self._joiner.group is None and not self.distributed:
+            return fn(*args, **kwargs)
+        return self._leader_calls.run(fn, args, kwargs)
+
+    def _rejoin(self, reason: str | None) -> bool:
+        """Leave the broken generation (for ``reason``) and join the next, inside the loop body
+        (an :meth:`on_leader` call whose leader died); False if the job finished meanwhile."""
+        if reason is not None and self._joiner.group is not None:
+            self._abandon(reason)
+        while self._joiner.group is None:
+            if not self._joiner.join():
+                return False
+        return True
 
     def stop(self, reason: str = "stopped by the script") -> None:
         """End the job early, for every member, at one step boundary: call it on any member (an
@@ -344,6 +377,8 @@ class Job:
                     if reason:
                         self._abandon(reason)
                     continue
+                if not self._first_step_barrier():
+                    continue
                 step = Step(self, self.next_step)
                 try:
                     self._in_loop_body = True
@@ -366,6 +401,8 @@ class Job:
                 if step.failed:
                     self._abandon(str(step.error))
                     continue
+                if self._joiner.group is None or self._joiner.group.number != step.generation:
+                    continue  # re-formed inside the body (on_leader's leader died): the new generation starts at its first step
                 self._checkpointing.maybe_save()
                 if step.reconfigure:
                     self._joiner.close_group()
@@ -373,6 +410,26 @@ class Job:
                     self._together(verify_replicas(self), "could not compare replicas")
         finally:
             self._stop(finished)
+
+    def _first_step_barrier(self) -> bool:
+        """Before the first step of each generation, wait until every member is at its start
+        (see :func:`unbroken.leader_calls.first_step_barrier`); False if the generation broke."""
+        group = self._joiner.group
+        if group.number == self._started_generation:
+            return True
+        from unbroken.leader_calls import first_step_barrier
+
+        reason = None
+        try:
+            first_step_barrier(group, self.next_step)
+        except GenerationFailed as exc:
+            reason = str(exc)
+        if not self._together(reason is None, f"left generation {group.number} at its first step"):
+            if reason:
+                self._abandon(reason)
+            return False
+        self._started_generation = group.number
+        return True
 
     def _vote(self, ok: bool, generation: int, extra: list[float] | None = None) -> tuple[bool, list[float]]:
         """Whether every process of this member is ``ok`` in ``generation`` and holds the same

@@ -5,6 +5,7 @@ norm. Writes the final parameters to ``--out/<member>.pt`` so that runs can be c
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -50,6 +51,10 @@ parser.add_argument("--stop-at", type=int, default=None, help="the leader calls 
 parser.add_argument("--break-at", type=int, default=None, help="every member leaves the loop with break after committing this step")
 parser.add_argument("--half", choices=["float16", "bfloat16"], default=None, help="a model in this dtype, trained with SGD (with --token-loss)")
 parser.add_argument("--count-scale", type=float, default=1.0, help="with --token-loss: each masked output counts this many tokens")
+parser.add_argument("--eval-every", type=int, default=0, help="every N committed steps, evaluate through job.on_leader")
+parser.add_argument("--eval-seconds", type=float, default=0.0, help="the evaluation sleeps this long (a long evaluation)")
+parser.add_argument("--eval-log", default=None, help="append every member's (member, step, result, ran) here")
+parser.add_argument("--kill-in-eval", type=int, default=None, help="the leader SIGKILLs itself inside the evaluation after this step (once)")
 args = parser.parse_args()
 if args.device == "cuda":
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
@@ -195,6 +200,27 @@ for step in job.steps(total=args.steps):
         job.stop(f"early stop after step {step.index}")
     if args.break_at is not None and step.committed and step.index == args.break_at:
         break
+    if args.eval_every and step.committed and (step.index + 1) % args.eval_every == 0:
+        ran = []
+
+        def evaluate(at):
+            """The loss on the first 32 samples, computed by the leader (long: --eval-seconds)."""
+            ran.append(True)
+            print(f"EVAL step {at} on the leader", flush=True)
+            if at == args.kill_in_eval and not os.path.exists(args.eval_log + ".killed"):
+                open(args.eval_log + ".killed", "w").close()
+                time.sleep(args.eval_seconds / 2)
+                os.kill(os.getpid(), 9)  # dies inside the evaluation: the next leader runs it again
+            time.sleep(args.eval_seconds)
+            with torch.no_grad():
+                return {"step": at, "loss": torch.nn.functional.mse_loss(model(x[:32].to(device)), y[:32].to(device)).item()}
+
+        entered = time.monotonic()
+        result = job.on_leader(evaluate, step.index)
+        with open(args.eval_log, "a") as f:
+            f.write(json.dumps({"member": os.environ.get("UNBROKEN_MEMBER_ID", "single"), "step": step.index,
+                                "result": result, "ran": bool(ran), "generation": job.generation,
+                                "waited": time.monotonic() - entered}) + "\n")
     if args.step_delay:
         time.sleep(args.step_delay)
 
