@@ -404,6 +404,8 @@ class Joiner:
             return False
         self.group = group
         job.member_index, job.member_count = group.rank, group.size
+        if job._default_group is not None:
+            job._default_group.enter(group, reply["store_host"], int(reply["store_port"]))
         log.info("%s: generation %d, member %d of %d, at step %d", job.member_id, number, group.rank, group.size, job.next_step)
         return True
 

@@ -172,6 +172,12 @@ class Job:
             self.settings.collective_timeout,
         )
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
+        self._current_step: Step | None = None
+        self._default_group = None
+        if self.distributed and self._group is None and self.settings.default_group:
+            from unbroken.default_group import DefaultGroup
+
+            self._default_group = DefaultGroup(self._script_collective_failed)
 
     def _replica_group(self) -> Any:
         """The replica group this process is in (:func:`unbroken.group_mesh` made it), or None."""
@@ -265,6 +271,20 @@ class Job:
             return fn(*args, **kwargs)
         return self._leader_calls.run(fn, args, kwargs)
 
+    def _script_collective_failed(self, error: GenerationFailed) -> None:
+        """A collective of the script's own on torch.distributed's default group failed (a member
+        was lost): inside a step, before its reduce, the step is redone in the next generation
+        (the collective returns, its output undefined, and the reduce fails); elsewhere, raise."""
+        step = self._current_step
+        if self._in_loop_body and step is not None and not step.committed:
+            step._stale = step._stale or str(error)  # the reduce (or the commit) fails on it
+            return
+        where = f"after step {step.index}'s commit" if step is not None else "outside the training loop"
+        raise GenerationFailed(
+            f"{error}: a collective of the script's own on torch.distributed's default group failed {where}, where it"
+            " cannot be redone; make it inside the step, before step.commit(), where a failure is redone"
+            " with the step, or use job.on_leader for work the leader does alone") from None
+
     def _rejoin(self, reason: str | None) -> bool:
         """Leave the broken generation (for ``reason``) and join the next, inside the loop body
         (an :meth:`on_leader` call whose leader died); False if the job finished meanwhile."""
@@ -303,7 +323,7 @@ class Job:
         try:
             self._checkpointing.open(resume=self.fresh)
             while self.next_step < total and self.stop_reason is None:
-                step = Step(self, self.next_step)
+                step = self._current_step = Step(self, self.next_step)
                 try:
                     self._in_loop_body = True
                     yield step
@@ -379,7 +399,7 @@ class Job:
                     continue
                 if not self._first_step_barrier():
                     continue
-                step = Step(self, self.next_step)
+                step = self._current_step = Step(self, self.next_step)
                 try:
                     self._in_loop_body = True
                     yield step
@@ -565,6 +585,8 @@ class Job:
             self._reducer.renew_buffers()
 
     def _stop(self, finished: bool) -> None:
+        if self._default_group is not None:
+            self._default_group.leave()
         if self._group is not None:
             self._group.stop()
         if finished:

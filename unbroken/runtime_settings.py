@@ -59,6 +59,11 @@ class RuntimeSettings:
     """Collective backend (``UNBROKEN_BACKEND``): ``gloo`` (CPU or CUDA tensors), ``nccl`` (CUDA
     tensors; a blocked collective is abandoned by aborting the generation's communicator) or
     ``auto``: NCCL when the model is on a GPU and NCCL is available, else Gloo."""
+    default_group: bool = True
+    """Inside the loop, make each generation torch.distributed's default group and set ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` to match (``UNBROKEN_DEFAULT_GROUP``), so
+    that libraries that read the world (rank-zero loggers, metric syncs) see this member's rank
+    and the generation's size; see :mod:`unbroken.default_group`. Replica groups keep their own."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.collective_timeout:

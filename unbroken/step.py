@@ -279,7 +279,7 @@ class Step:
                 job._chaos.point("commit", self.index)
             except GenerationFailed as exc:
                 reason = str(exc)
-            reason = reason or job._joiner.commit_reason(self.generation)
+            reason = reason or self._stale or job._joiner.commit_reason(self.generation)
             ok, _ = job._vote(reason is None, self.generation)
             if not ok and reason is None:
                 reason = f"step {self.index} not committed: another process of this replica group may not commit it"

@@ -55,6 +55,7 @@ parser.add_argument("--eval-every", type=int, default=0, help="every N committed
 parser.add_argument("--eval-seconds", type=float, default=0.0, help="the evaluation sleeps this long (a long evaluation)")
 parser.add_argument("--eval-log", default=None, help="append every member's (member, step, result, ran) here")
 parser.add_argument("--kill-in-eval", type=int, default=None, help="the leader SIGKILLs itself inside the evaluation after this step (once)")
+parser.add_argument("--metrics-log", default=None, help="a torchmetrics MSE synced over torch.distributed's default group in every step; append it and step.loss here; a rank-zero-only logger prints RZ lines")
 args = parser.parse_args()
 if args.device == "cuda":
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
@@ -134,6 +135,17 @@ def resources():
 
 
 local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+if args.metrics_log:
+    import torch.distributed as dist
+    import torchmetrics
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    mse = torchmetrics.MeanSquaredError()
+    rank_zero_only.rank = int(os.environ.get("RANK", "0"))  # as Lightning sets it at import (unbroken updates it per generation)
+
+    @rank_zero_only
+    def log_on_rank_zero(step, synced):
+        print(f"RZ step {step.index} mse {synced:.6f} rank {os.environ.get('RANK', '0')}", flush=True)
 my_loaders = []
 for step in job.steps(total=args.steps):
     if args.resources:
@@ -149,6 +161,8 @@ for step in job.steps(total=args.steps):
     if args.raise_at_step is not None and step.index == args.raise_at_step:
         raise RuntimeError(f"deliberate failure at step {step.index}")
     seen = []
+    if args.metrics_log:
+        mse.reset()
     for i, (xb, yb, *index) in enumerate(step.micro_batches()):
         if args.loader_pids and job._loader.pids():
             my_loaders = job._loader.pids()
@@ -176,6 +190,11 @@ for step in job.steps(total=args.steps):
             step.backward(((model(xb) - yb) ** 2 * mask).sum(), count=mask.sum())
             continue
         xb, yb = xb.to(device), yb.to(device)
+        if args.metrics_log:
+            out = model(xb)
+            mse.update(out.detach(), yb)
+            step.backward(torch.nn.functional.mse_loss(out, yb))
+            continue
         if args.amp:
             with torch.autocast(device.type, dtype=torch.float16 if args.amp == "fp16" else torch.bfloat16):
                 out = model(xb)
@@ -184,8 +203,17 @@ for step in job.steps(total=args.steps):
             step.backward(torch.nn.functional.mse_loss(model(xb), yb))
         if args.micro_delay:
             time.sleep(args.micro_delay)
+    if args.metrics_log:
+        if dist.is_initialized():  # torch.distributed answers with the generation
+            assert (dist.get_rank(), dist.get_world_size()) == (step.rank, step.members), (dist.get_rank(), dist.get_world_size(), step.rank, step.members)
+            assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(step.rank), str(step.members)), os.environ["RANK"]
+        synced = float(mse.compute())  # all_gathers the metric's state over the default group (undefined if a peer died)
     if not step.reduce():
         continue
+    if args.metrics_log:
+        with open(args.metrics_log, "a") as f:
+            f.write(json.dumps({"member": os.environ.get("UNBROKEN_MEMBER_ID", "single"), "step": step.index,
+                                "synced": synced, "loss": step.loss, "members": step.members}) + "\n")
     if job.scaler is not None:
         job.scaler.unscale_(job.optimizer)  # clip the true gradients, as under DDP
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
@@ -194,6 +222,8 @@ for step in job.steps(total=args.steps):
         with open(args.scaler_log, "a") as f:
             f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID", "single")}", "step": {step.index}, "skipped": {str(step.skipped).lower()}, "scale": {job.scaler.get_scale()!r}}}\n')
     print(f"step {step.index} loss {step.loss:.6f} members {step.members}", flush=True)
+    if args.metrics_log and step.committed:
+        log_on_rank_zero(step, synced)
     if args.leader_says and step.committed and job.is_leader:
         print(f"LEADER step {step.index}", flush=True)
     if args.stop_at is not None and step.committed and step.index >= args.stop_at and job.is_leader:
