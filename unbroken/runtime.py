@@ -125,6 +125,8 @@ class Job:
         self.optimizer = optimizer
         self._committing = False
         """True while :meth:`Step.commit` steps the optimizer: its only rightful caller."""
+        self._inputs_checked = False
+        """Whether this process's first micro-batch was followed into the model (:mod:`unbroken.input_check`)."""
         self._in_loop_body = False
         """True while the script's loop body runs a step: there, only :meth:`Step.commit` may step
         the optimizer (unbroken's own loads may, between steps: DCP initialises optimizer state
@@ -133,6 +135,7 @@ class Job:
         if previous is not None:  # one job at a time watches an optimizer: the newest
             previous.remove()
         optimizer._unbroken_step_hook = optimizer.register_step_pre_hook(self._check_optimizer_step)
+        self._watch_zero_grad(optimizer)
         self.dataset = dataset
         self.scheduler = scheduler
         self.extra_state = extra_state
@@ -294,6 +297,25 @@ class Job:
             if not self._joiner.join():
                 return False
         return True
+
+    def _watch_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse ``optimizer.zero_grad()`` between a step's first ``step.backward`` and its
+        commit: it would drop gradients the reduce needs (torch has no hook for it, so the
+        optimizer's own method is wrapped, once)."""
+        original = getattr(optimizer, "_unbroken_zero_grad", None) or optimizer.zero_grad
+        optimizer._unbroken_zero_grad = original
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            step = self._current_step
+            if (self._in_loop_body and step is not None and step._backwards and not self._committing
+                    and not (step.committed or step.failed or step.stopped)):
+                raise LoopMisuse(
+                    f"step {step.index}: optimizer.zero_grad() was called by the script after step.backward and before"
+                    " step.commit(); it would drop gradients the reduce needs. step.commit() zeroes them after the"
+                    " optimizer step: remove the call (or make it before the step's first step.backward)")
+            return original(*args, **kwargs)
+
+        optimizer.zero_grad = zero_grad
 
     def stop(self, reason: str = "stopped by the script") -> None:
         """End the job early, for every member, at one step boundary: call it on any member (an

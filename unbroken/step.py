@@ -55,6 +55,7 @@ class Step:
         self._grads_in_backward = 0
         self._counting: bool | None = None  # backward(count=...) used in this step
         self._count = 0.0
+        self._tracker: Any = None  # follows this process's first micro-batch into the model
         # Buffers (BatchNorm statistics) change in the forward pass: keep a copy so that a failed
         # attempt leaves them as they were, like the parameters.
         self._saved_buffers = [b.detach().clone() for b in job._buffers] if job._reducer is not None else []
@@ -80,7 +81,21 @@ class Step:
                 return
             batch = job._batch(self, micro)
             job._ticks += 1
+            self._follow(batch)
             yield batch
+
+    def _follow(self, batch: Any) -> None:
+        """This process's first micro-batch: follow it into the model (:mod:`unbroken.input_check`)."""
+        if self._tracker is not None:  # the last micro-batch was skipped: _check_loop says so
+            self._tracker.close()
+            self._tracker = None
+        job = self.job
+        if job._inputs_checked or hasattr(job.model, "_orig_mod"):  # not through a compiled model's guards
+            return
+        from unbroken.input_check import InputTracker
+
+        job._inputs_checked = True
+        self._tracker = InputTracker(job.model, batch, self.index)
 
     def backward(self, loss: torch.Tensor, count: float | torch.Tensor | None = None) -> None:
         """Backpropagate a micro-batch's loss.
@@ -91,6 +106,9 @@ class Step:
         the counts of every member are summed with the gradients, which are then divided by that
         global count, so a token-normalised loss gives the same model at any member count. Use
         one form for every micro-batch of a job."""
+        if self._tracker is not None:
+            tracker, self._tracker = self._tracker, None
+            tracker.check()
         if self._backwards >= len(self._micro):
             raise LoopMisuse(f"step {self.index}: backward called more times than there are micro-batches ({len(self._micro)})")
         counting = count is not None
@@ -120,6 +138,9 @@ class Step:
 
     def _check_loop(self) -> None:
         """Refuse a step whose gradients are not the share-weighted sum the protocol needs."""
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
         if self._stale:
             return  # left early because the generation broke: redone anyway
         outside = self.job._grad_count() - self._grads_at_start - self._grads_in_backward
@@ -299,7 +320,11 @@ class Step:
         self.skipped = not stepped
         if job.scheduler is not None:
             job.scheduler.step()
-        job.optimizer.zero_grad(set_to_none=True)
+        job._committing = True
+        try:
+            job.optimizer.zero_grad(set_to_none=True)
+        finally:
+            job._committing = False
         job._committed(self)
         self.committed = True
         return True

@@ -409,3 +409,60 @@ def test_an_optimizer_stepped_by_the_script_is_refused_on_the_first_step():
         job.optimizer.step()
     assert all(torch.equal(before[k], v) for k, v in job.model.state_dict().items())  # refused before it changed anything
     assert step.commit() and job.next_step == 1  # the rightful caller still may
+
+
+def test_a_model_fed_batches_of_the_scripts_own_is_refused_on_the_first_step():
+    from unbroken.errors import LoopMisuse
+
+    job = _job(micro_batch_size=4)
+    before = copy.deepcopy(job.model.state_dict())
+    own = _data(4)  # nanoGPT's get_batch: samples the data plan never chose
+    step = next(job.steps(total=2))
+    for _ in step.micro_batches():
+        x, y = own.tensors
+        with pytest.raises(LoopMisuse, match=r"step 0: the model was called on tensors that did not come from step.micro_batches\(\)"):
+            step.backward(torch.nn.functional.mse_loss(job.model(x), y))
+        break
+    assert all(torch.equal(before[k], v) for k, v in job.model.state_dict().items())
+    assert not torch._C._is_torch_function_mode_enabled(), "the tracking mode was left on"
+
+
+def test_a_batch_transformed_before_the_model_is_accepted_and_followed_only_once():
+    job = _job(micro_batch_size=4)
+    steps = 0
+    for step in job.steps(total=3):
+        for x, y in step.micro_batches():
+            x = (x.to("cpu").float().double() - 0.5) * 2.0  # moved, cast, normalised
+            x = torch.cat([x[:2], x[2:]])[:, :3]
+            step.backward(torch.nn.functional.mse_loss(job.model(x), y))
+            assert not torch._C._is_torch_function_mode_enabled()
+        step.commit()
+        steps += 1
+    assert steps == 3 and job._inputs_checked and job.next_step == 3
+
+
+def test_a_batch_without_tensors_is_not_followed():
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    model = _model()
+    job = Job(model, torch.optim.SGD(model.parameters(), lr=0.1), words, global_batch_size=4, collate_fn=list)
+    for step in job.steps(total=2):
+        for batch in step.micro_batches():  # the script tokenises: new tensors, nothing to follow
+            x = torch.tensor([[float(len(w)), 1.0, 0.0] for w in batch], dtype=torch.float64)
+            step.backward(model(x).pow(2).mean())
+        step.commit()
+    assert job.next_step == 2
+
+
+def test_zero_grad_between_backward_and_commit_is_refused_and_before_backward_is_allowed():
+    from unbroken.errors import LoopMisuse
+
+    job = _job(micro_batch_size=4)
+    steps = job.steps(total=2)
+    step = next(steps)
+    job.optimizer.zero_grad()  # at the top of the loop body, as DDP scripts do: harmless
+    for xb, yb in step.micro_batches():
+        step.backward(torch.nn.functional.mse_loss(job.model(xb), yb))
+    with pytest.raises(LoopMisuse, match=r"step 0: optimizer.zero_grad\(\) was called by the script after step.backward"):
+        job.optimizer.zero_grad()
+    assert job.model.weight.grad is not None  # refused before it dropped anything
+    assert step.commit() and job.model.weight.grad is None  # commit zeroes them itself
