@@ -60,6 +60,9 @@ def _add_run_workers(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
 def _add_run_coordinator(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
     """Which coordinator, this node's name in it, and the timings of liveness."""
     _flag(p, "--coordinator", default=None, help="HOST:PORT of an external coordinator (default: start one here)")
+    _flag(p, "--rdzv-endpoint", default=None, metavar="HOST:PORT",
+          help="the same on every node (torchrun's spelling): the node whose address HOST is hosts the coordinator on"
+          " PORT, the others join it (default: none)")
     _flag(p, "--coordinator-host", default=None,
           help="address the embedded coordinator binds (default 127.0.0.1; with --etcd or --ha: 0.0.0.0, advertised as --node-name)")
     _flag(p, "--coordinator-advertise", default=None,

@@ -19,7 +19,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from unbroken.errors import LoopMisuse
@@ -36,6 +36,7 @@ class _Marking(TorchFunctionMode):
     def __init__(self, marked: dict[int, weakref.ref]) -> None:
         super().__init__()
         self.marked = marked
+        self.disabled = False
 
     def is_marked(self, tensor: torch.Tensor) -> bool:
         ref = self.marked.get(id(tensor))
@@ -44,7 +45,7 @@ class _Marking(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if any(self.is_marked(t) for t in _tensors((args, kwargs))):
+        if not self.disabled and any(self.is_marked(t) for t in _tensors((args, kwargs))):
             for t in _tensors(result):
                 self.marked[id(t)] = weakref.ref(t)
         return result
@@ -76,7 +77,10 @@ class InputTracker:
             return
         self.active = False
         self._hook.remove()
-        self._mode.__exit__(None, None, None)
+        self._mode.disabled = True
+        stack = _get_current_function_mode_stack()
+        if stack and stack[-1] is self._mode:  # a mode the script pushed since stays: ours then only passes through
+            self._mode.__exit__(None, None, None)
 
     def check(self) -> None:
         """Stop following, and refuse the step if the model ate something else than the batch."""

@@ -350,37 +350,42 @@ class Job:
                     self._in_loop_body = True
                     yield step
                 except GeneratorExit:
+                    step.untrack()
                     self._in_loop_body = False
-                    if step.committed:  # a break after the step's commit: the job ends here, as at a normal end
-                        self.stop(f"the script left the loop after step {step.index}")
+                    if step.committed or step.untouched:  # a break at a boundary: the job ends here, as at a normal end
+                        if step.committed:  # (an untouched step may still be used: the test idiom next(iter(job.steps())))
+                            self.stop(f"the script left the loop after step {step.index}")
                         self._checkpointing.final()
                     return
                 self._in_loop_body = False
+                step.untrack()
                 step.commit()
                 self._checkpointing.maybe_save()
             self._checkpointing.final()
         finally:
             self._loader.close()
 
-    def _left_together(self, step: Step) -> bool:
-        """The loop was left after ``step``'s commit (a ``break``, or an exception raised after the
-        commit): True once every member of the generation left after the same step and the job
-        ended there together, as at a normal end. Who else left is counted in the generation's
-        store, never by a collective: a peer that went on waits in the next allreduce, and a
-        collective it does not expect would mismatch its own. False when this member left alone
-        (within a few seconds): it then leaves the job unfinished, as before."""
+    def _left_together(self) -> bool:
+        """The loop was left at a step boundary (a ``break`` after a step's commit, or at the top
+        of the next step before any micro-batch; or an exception there): True once every member
+        of the generation left at the same boundary and the job ended there together, as at a
+        normal end. Who else left is counted in the generation's store, never by a collective: a
+        peer that went on waits in the next allreduce, and a collective it does not expect would
+        mismatch its own. False when this member left alone (within a few seconds): it then
+        leaves the job unfinished, as before."""
         group = self._joiner.group
         if group is None:
             return False
         bound = min(10.0, self.settings.collective_timeout / 3)
+        last = self.next_step - 1
         with self._joiner.busy("leaving the training loop"):
-            together = group.all_arrive(f"left/{step.index}", bound)
+            together = group.all_arrive(f"left/{self.next_step}", bound)
         if not together:
-            print(f"unbroken: {self.member_id}: left the training loop after step {step.index}, but not every member did"
+            print(f"unbroken: {self.member_id}: left the training loop after step {last}, but not every member did"
                   f" within {bound:.0f} s; this member leaves the job unfinished (to stop the job from one member, call"
                   " job.stop(reason) and let the loop end)", file=sys.stderr, flush=True)
             return False
-        self.stop(f"the script left the loop after step {step.index}")
+        self.stop(f"the script left the loop after step {last}")
         return self._finish()
 
     def _finish(self) -> bool:
@@ -426,15 +431,17 @@ class Job:
                     self._in_loop_body = True
                     yield step
                 except GeneratorExit:
+                    step.untrack()
                     self._in_loop_body = False
                     # The loop body left: a break, or an exception. After the step's commit, when
                     # every member left after the same step, the job ends here as at a normal end;
                     # otherwise this member leaves unfinished, as it always did.
-                    if step.committed and self._left_together(step):
+                    if (step.committed or step.untouched) and self._left_together():
                         finished = True
                         return
                     raise
                 self._in_loop_body = False
+                step.untrack()
                 if not step.committed and not step.failed:
                     step.commit()
                 if step.stopped:

@@ -35,6 +35,7 @@ class Step:
         self.positions = job.plan.share(index, self.rank, self.members)
         self._micro = job.plan.micro_batches(index, self.rank, self.members)
         self._backwards = 0
+        self._taken = 0  # micro-batches yielded
         self._loss_sum: torch.Tensor | None = None
         self._armed = False
         self._stale: str | None = None
@@ -61,6 +62,12 @@ class Step:
         self._saved_buffers = [b.detach().clone() for b in job._buffers] if job._reducer is not None else []
 
     @property
+    def untouched(self) -> bool:
+        """True while nothing of this step was done: no micro-batch taken, no backward, no reduce
+        (a ``break`` now leaves the loop at the boundary before it)."""
+        return not self._taken and not self._backwards and self._reduced is None
+
+    @property
     def samples(self) -> int:
         """Samples this member processes in this step (its share)."""
         return len(self.positions)
@@ -74,21 +81,29 @@ class Step:
         # The processes of a replica group must run the same number of backward passes (each is
         # a collective of the group): none of them leaves early on its own view of the generation.
         early = job._reducer is not None and (job._group is None or not job._group.grouped)
-        for micro in range(len(self._micro)):
-            if early and not self._stale:
-                self._stale = job._abandon_reason(self.generation)
-            if self._stale:
-                return
-            batch = job._batch(self, micro)
-            job._ticks += 1
-            self._follow(batch)
-            yield batch
+        try:
+            for micro in range(len(self._micro)):
+                if early and not self._stale:
+                    self._stale = job._abandon_reason(self.generation)
+                if self._stale:
+                    return
+                batch = job._batch(self, micro)
+                self._taken += 1
+                job._ticks += 1
+                self._follow(batch)
+                yield batch
+        finally:
+            self.untrack()
+
+    def untrack(self) -> None:
+        """Stop following the first micro-batch, however the step ends."""
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
 
     def _follow(self, batch: Any) -> None:
         """This process's first micro-batch: follow it into the model (:mod:`unbroken.input_check`)."""
-        if self._tracker is not None:  # the last micro-batch was skipped: _check_loop says so
-            self._tracker.close()
-            self._tracker = None
+        self.untrack()  # the last micro-batch had no backward: _check_loop says so
         job = self.job
         if job._inputs_checked or hasattr(job.model, "_orig_mod"):  # not through a compiled model's guards
             return
@@ -138,9 +153,7 @@ class Step:
 
     def _check_loop(self) -> None:
         """Refuse a step whose gradients are not the share-weighted sum the protocol needs."""
-        if self._tracker is not None:
-            self._tracker.close()
-            self._tracker = None
+        self.untrack()
         if self._stale:
             return  # left early because the generation broke: redone anyway
         outside = self.job._grad_count() - self._grads_at_start - self._grads_in_backward

@@ -48,3 +48,12 @@ def test_a_break_by_every_member_after_the_same_step_ends_the_job_with_exit_0(tm
     assert CheckpointStore(ckpt).steps()[0] == 10
     logs = "".join(open(os.path.join(run.run_dir, "workers", f"w{i}.log")).read() for i in range(3))
     assert "Traceback" not in logs, logs[-2000:]
+
+
+def test_a_break_at_the_top_of_a_step_by_every_member_ends_the_job_at_the_boundary_before_it(tmp_path):
+    run, ckpt = _run(tmp_path, "--break-before", "12", extra=("--chaos", "kill@step,rank=2,step=4"))
+    assert any("left the loop after step 11" in (e.get("reason") or "") for e in run.events("finished")), run.events("finished")
+    harness.check_exactly_once(run.run_dir, 12, GLOBAL)
+    single = harness.single_process(str(tmp_path / "single"), "--steps", "12")
+    harness.check_same_model(f"{run.run_dir}/final", single, harness.finished_members(run.run_dir))
+    assert CheckpointStore(ckpt).steps()[0] == 12

@@ -9,6 +9,7 @@ import pytest
 
 from unbroken import cli
 from unbroken.cli import build_parser, main
+from unbroken.errors import ConfigError
 from unbroken.launcher import LaunchSettings
 
 # Changing this list changes the user-facing interface: do it deliberately, with the docs.
@@ -22,6 +23,7 @@ RUN_FLAGS = [
     ["--run-dir", "--run_dir"],
     ["--backend"],
     ["--coordinator"],
+    ["--rdzv-endpoint", "--rdzv_endpoint"],
     ["--coordinator-host", "--coordinator_host"],
     ["--coordinator-advertise", "--coordinator_advertise"],
     ["--coordinator-port", "--coordinator_port"],
@@ -274,3 +276,57 @@ def test_a_generated_token_can_be_passed_back_on_the_command_line(script):
     for token in tokens:
         assert parser.parse_args(["run", "--token", token, script]).token == token
         assert parser.parse_args(["status", "h:1", "--token", token]).token == token
+
+
+def _placed(*flags: str, warned: list | None = None):
+    from unbroken.placement import placement
+
+    args = build_parser().parse_args(["run", *flags, "train.py"])
+    return placement(args, {}, 1, warn=(warned.append if warned is not None else None))
+
+
+def test_rdzv_endpoint_on_the_node_it_names_hosts_the_coordinator_there():
+    import socket
+
+    with socket.socket() as s:  # a free port, found by binding port 0
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    place = _placed("--rdzv-endpoint", f"127.0.0.1:{port}")
+    assert (place.coordinator, place.host, place.port, place.advertise) == (None, "0.0.0.0", port, "127.0.0.1")
+
+
+def test_rdzv_endpoint_joins_when_another_launcher_here_holds_the_port_or_the_host_is_elsewhere():
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert _placed("--rdzv-endpoint", f"127.0.0.1:{port}").coordinator == f"127.0.0.1:{port}"
+    warned: list = []
+    place = _placed("--rdzv-endpoint", "192.0.2.7:29400", "--min-members", "4", "--busy-timeout", "60", warned=warned)
+    assert place.coordinator == "192.0.2.7:29400"  # TEST-NET-1: never an address of this machine
+    assert len(warned) == 2 and "--min-members 4 is ignored on this node" in warned[0] and "--busy-timeout" in warned[1], warned
+
+
+def test_a_node_joining_with_coordinator_is_told_which_flags_it_ignores():
+    warned: list = []
+    _placed("--coordinator", "h:1", "--start-grace", "5", "--nnodes", "2", warned=warned)
+    assert [w.split()[2] for w in warned] == ["--nnodes", "--start-grace"], warned
+    warned.clear()
+    _placed("--coordinator", "h:1", "--heartbeat-timeout", "5", warned=warned)  # read by every launcher
+    assert warned == []
+
+
+@pytest.mark.parametrize("endpoint, message", [
+    ("node0", "must be HOST:PORT"), ("node0:0", "must be HOST:PORT"), (":29400", "must be HOST:PORT"),
+    ("no-such-host.invalid:29400", "cannot resolve"),
+])
+def test_a_bad_rdzv_endpoint_is_a_config_error_naming_it(endpoint, message):
+    with pytest.raises(ConfigError, match=message):
+        _placed("--rdzv-endpoint", endpoint)
+
+
+def test_rdzv_endpoint_with_another_way_to_name_the_coordinator_is_refused():
+    with pytest.raises(ConfigError, match="drop --coordinator"):
+        _placed("--rdzv-endpoint", "h:1", "--coordinator", "h:2")

@@ -411,6 +411,14 @@ def test_an_optimizer_stepped_by_the_script_is_refused_on_the_first_step():
     assert step.commit() and job.next_step == 1  # the rightful caller still may
 
 
+def _tracking() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    from unbroken.input_check import _Marking
+
+    return any(isinstance(mode, _Marking) for mode in _get_current_function_mode_stack())
+
+
 def test_a_model_fed_batches_of_the_scripts_own_is_refused_on_the_first_step():
     from unbroken.errors import LoopMisuse
 
@@ -424,7 +432,7 @@ def test_a_model_fed_batches_of_the_scripts_own_is_refused_on_the_first_step():
             step.backward(torch.nn.functional.mse_loss(job.model(x), y))
         break
     assert all(torch.equal(before[k], v) for k, v in job.model.state_dict().items())
-    assert not torch._C._is_torch_function_mode_enabled(), "the tracking mode was left on"
+    assert not _tracking(), "the tracking mode was left on"
 
 
 def test_a_batch_transformed_before_the_model_is_accepted_and_followed_only_once():
@@ -435,7 +443,7 @@ def test_a_batch_transformed_before_the_model_is_accepted_and_followed_only_once
             x = (x.to("cpu").float().double() - 0.5) * 2.0  # moved, cast, normalised
             x = torch.cat([x[:2], x[2:]])[:, :3]
             step.backward(torch.nn.functional.mse_loss(job.model(x), y))
-            assert not torch._C._is_torch_function_mode_enabled()
+            assert not _tracking()
         step.commit()
         steps += 1
     assert steps == 3 and job._inputs_checked and job.next_step == 3
@@ -466,3 +474,16 @@ def test_zero_grad_between_backward_and_commit_is_refused_and_before_backward_is
         job.optimizer.zero_grad()
     assert job.model.weight.grad is not None  # refused before it dropped anything
     assert step.commit() and job.model.weight.grad is None  # commit zeroes them itself
+
+
+def test_a_break_at_the_top_of_a_step_ends_the_loop_at_the_boundary_before_it():
+    job = _job(micro_batch_size=4)
+    for step in job.steps(total=5):
+        if step.index == 2:
+            assert step.untouched
+            break
+        for x, y in step.micro_batches():
+            assert not step.untouched
+            step.backward(torch.nn.functional.mse_loss(job.model(x), y))
+        step.commit()
+    assert job.next_step == 2

@@ -49,6 +49,7 @@ parser.add_argument("--amp", choices=["fp16", "bf16"], default=None, help="a flo
 parser.add_argument("--leader-says", action="store_true", help="the leader prints 'LEADER step N' after each commit")
 parser.add_argument("--stop-at", type=int, default=None, help="the leader calls job.stop() after committing this step")
 parser.add_argument("--break-at", type=int, default=None, help="every member leaves the loop with break after committing this step")
+parser.add_argument("--break-before", type=int, default=None, help="every member leaves the loop with break at the top of this step")
 parser.add_argument("--half", choices=["float16", "bfloat16"], default=None, help="a model in this dtype, trained with SGD (with --token-loss)")
 parser.add_argument("--count-scale", type=float, default=1.0, help="with --token-loss: each masked output counts this many tokens")
 parser.add_argument("--eval-every", type=int, default=0, help="every N committed steps, evaluate through job.on_leader")
@@ -158,6 +159,8 @@ for step in job.steps(total=args.steps):
     if first_step and args.first_step_sleep and args.first_step_rank in (None, local_rank):
         time.sleep(args.first_step_sleep)
     first_step = False
+    if args.break_before is not None and step.index == args.break_before:
+        break
     if args.raise_at_step is not None and step.index == args.raise_at_step:
         raise RuntimeError(f"deliberate failure at step {step.index}")
     seen = []
