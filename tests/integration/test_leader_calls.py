@@ -69,5 +69,6 @@ def test_when_the_leader_dies_inside_the_evaluation_the_next_leader_runs_it_agai
     assert records[0]["result"] == records[1]["result"], records
     assert {r["generation"] for r in records} != {1}, "the call was answered in a generation formed after the kill"
     assert sum(w["restarts"] for w in run.summary()["workers"]) == 1, run.summary()["workers"]
-    later = evals[3 * EVERY - 1]  # the restarted member is back and gets the result too
-    assert len(later) == 3 and len({json.dumps(r["result"]) for r in later}) == 1, later
+    later = evals[3 * EVERY - 1]  # the next evaluation reaches every member of its generation (the restarted one, if back)
+    assert len(later) >= 2 and len({json.dumps(r["result"]) for r in later}) == 1, later
+    assert sum(r["ran"] for r in later) == 1, later
