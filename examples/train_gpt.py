@@ -88,8 +88,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(
     optimizer, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
 
 windows = unbroken.RandomWindows(train, args.block, length=args.steps * args.batch_size)  # get_batch, exactly once
-job = unbroken.Job(model, optimizer, windows, global_batch_size=args.batch_size,
-                   micro_batch_size=args.micro_batch_size, scheduler=scheduler, seed=1337)
+
+progress = unbroken.ScriptState(best=float("inf"), bad=0)  # healed with the model: a restarted worker has it too
+job = unbroken.Job(model, optimizer, windows, global_batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+                   scheduler=scheduler, seed=1337, extra_state=progress)
 
 
 @torch.no_grad()
@@ -106,27 +108,27 @@ def estimate_loss() -> float:
     return loss.item()
 
 
-best, bad = float("inf"), 0
 for step in job.steps(total=args.steps):
     it = step.index
-    if it % args.eval_every == 0:
-        val_loss = job.on_leader(estimate_loss)  # the leader evaluates; every worker gets its result
-        print(f"step {it}: val loss {val_loss:.4f}", flush=True)
-        if val_loss < best:
-            best, bad = val_loss, 0
-            job.on_leader(torch.save, raw.state_dict(), args.out + ".best")
-        else:
-            bad += 1
-    if bad >= args.patience:
-        break
     for x, y in step.micro_batches():
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         step.backward(loss)
     if not step.reduce():
         continue
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    step.commit()
+    if not step.commit():
+        continue
     if job.is_leader and it % 10 == 0:
         print(f"step {it}: loss {step.loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
+    if it % args.eval_every == 0:
+        val_loss = job.on_leader(estimate_loss)  # the leader evaluates; every worker gets its result
+        print(f"step {it}: val loss {val_loss:.4f}", flush=True)
+        if val_loss < progress.best:
+            progress.best, progress.bad = val_loss, 0
+            job.on_leader(torch.save, raw.state_dict(), args.out + ".best")
+        else:
+            progress.bad += 1
+    if progress.bad >= args.patience:
+        break
 if job.is_leader:
     torch.save(raw.state_dict(), args.out)

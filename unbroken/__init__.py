@@ -8,12 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Job", "Step", "RuntimeSettings", "RandomWindows", "group_mesh", "sample_rng", "sample_seed", "__version__"]
+__all__ = ["Job", "Step", "RuntimeSettings", "RandomWindows", "ScriptState", "group_mesh", "sample_rng", "sample_seed", "__version__"]
 
 if TYPE_CHECKING:
     from unbroken.group_member import group_mesh
     from unbroken.loader import sample_rng, sample_seed
     from unbroken.runtime import Job, RuntimeSettings, Step
+    from unbroken.script_state import ScriptState
     from unbroken.windows import RandomWindows
 
 
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from unbroken.group_member import group_mesh
 
         return group_mesh
+    if name == "ScriptState":
+        from unbroken.script_state import ScriptState
+
+        return ScriptState
     if name == "RandomWindows":
         from unbroken.windows import RandomWindows
 

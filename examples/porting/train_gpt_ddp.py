@@ -121,6 +121,18 @@ def estimate_loss() -> float:
 
 best, bad = float("inf"), 0
 for it in range(args.steps):
+    for micro in range(accum):
+        if ddp:
+            model.require_backward_grad_sync = micro == accum - 1
+        x, y = get_batch("train")
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / accum
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if master and it % 10 == 0:
+        print(f"step {it}: loss {loss.item() * accum:.4f} lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
     if it % args.eval_every == 0 and master:
         val_loss = estimate_loss()
         print(f"step {it}: val loss {val_loss:.4f}", flush=True)
@@ -135,18 +147,6 @@ for it in range(args.steps):
         bad = args.patience if stop.item() else bad
     if bad >= args.patience:
         break
-    for micro in range(accum):
-        if ddp:
-            model.require_backward_grad_sync = micro == accum - 1
-        x, y = get_batch("train")
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / accum
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    if master and it % 10 == 0:
-        print(f"step {it}: loss {loss.item() * accum:.4f} lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
 if master:
     torch.save(raw.state_dict(), args.out)
 if ddp:

@@ -48,14 +48,14 @@ def test_the_gpt_example_under_kills_trains_the_single_process_model(tmp_path):
 def test_early_stop_by_break_ends_every_worker_with_exit_0(tmp_path):
     run_dir = str(tmp_path / "run")
     out = str(tmp_path / "gpt.pt")
-    # with a learning rate of 0 the evaluation at step 10 is no better than step 0's, and with
-    # --patience 1 every worker breaks at the top of step 10
+    # with a learning rate of 0 the evaluation after step 10 is no better than step 0's, and with
+    # --patience 1 every worker breaks after step 10's commit
     run = harness.unbroken(
         run_dir, "--nproc-per-node", "2", GPT, "--steps", "40", *SMALL, "--lr", "0", "--patience", "1",
         "--data-dir", str(tmp_path / "data"), "--out", out, timeout=300,
     )
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert any("left the loop after step 9" in (e.get("reason") or "") for e in run.events("finished")), run.events("finished")
+    assert any("left the loop after step 10" in (e.get("reason") or "") for e in run.events("finished")), run.events("finished")
     single = torch.load(_single(tmp_path, "--steps", "40", "--lr", "0", "--patience", "1"), weights_only=True)
     assert harness.max_relative_difference(torch.load(out, weights_only=True), single) < 1e-8
 
