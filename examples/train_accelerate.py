@@ -11,6 +11,7 @@ model is the single process's.
 import argparse
 
 import torch
+from accelerate.utils import set_seed
 
 from unbroken.integrations.accelerate import Accelerator  # was: from accelerate import Accelerator
 
@@ -21,7 +22,7 @@ parser.add_argument("--dtype", choices=["float32", "float64"], default="float32"
 args = parser.parse_args()
 torch.set_num_threads(1)
 torch.set_default_dtype(getattr(torch, args.dtype))
-torch.manual_seed(0)
+set_seed(0)
 
 x = torch.randn(512, 8)
 y = torch.sin(x @ torch.randn(8, 1))

@@ -1,0 +1,336 @@
+"""Hugging Face Accelerate scripts under unbroken: change the import, keep the loop.
+
+::
+
+    from unbroken.integrations.accelerate import Accelerator   # was: from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+:class:`Accelerator` keeps Accelerate's names for what a training script calls, and runs them on
+unbroken's step protocol (:class:`~unbroken.integrations.driven_loop.DrivenLoop`): the prepared
+training loader yields this member's share of each step, whose global batch is
+``batch_size * gradient_accumulation_steps`` samples whatever the number of workers (Accelerate
+multiplies it by ``num_processes``; pass ``global_batch_size=`` to choose another), so the model
+is the single process's. ``backward`` weights each batch's loss by its share, ``optimizer.step()``
+commits after this member's last batch of the step (``sync_gradients``), ``clip_grad_norm_``
+clips the reduced gradients, and the prepared scheduler and ``zero_grad`` leave their work to the
+commit. A step whose reduce failed is redone: the loader yields its batches again. Evaluation
+loaders are not sharded (every member evaluates all of it, so ``gather_for_metrics`` returns its
+input): correct whoever is lost. What Accelerate offers that would change the model or cannot
+survive a lost member (mixed precision through Accelerate, DeepSpeed, FSDP, trackers, several
+optimizers) is refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any, Iterator
+
+import torch
+
+from unbroken.errors import ConfigError
+from unbroken.integrations.driven_loop import DrivenLoop
+
+REFUSED = {
+    "mixed_precision": "mixed precision through Accelerate (pass a torch.amp.GradScaler to unbroken.Job instead, or train in"
+                       " the model's dtype)",
+    "deepspeed_plugin": "DeepSpeed", "deepspeed_plugins": "DeepSpeed", "fsdp_plugin": "FSDP through Accelerate (use"
+    " unbroken's replica groups, docs/guide/replica-groups.md)", "megatron_lm_plugin": "Megatron-LM",
+    "torch_tp_plugin": "tensor parallelism", "parallelism_config": "parallelism configs", "log_with": "trackers (log on the"
+    " leader: if accelerator.is_main_process)", "dynamo_backend": "torch.compile through Accelerate (compile the model"
+    " yourself)", "split_batches": "split_batches (the global batch is fixed: global_batch_size=)",
+}
+"""Accelerator arguments that cannot keep unbroken's guarantees -> what to do instead."""
+
+
+class UnsupportedFeature(ConfigError):
+    """An Accelerate feature that unbroken cannot keep its guarantees with; the message names it."""
+
+
+def _refuse(feature: str) -> UnsupportedFeature:
+    return UnsupportedFeature(f"unbroken's Accelerator does not support {feature}: it would train a different model than a"
+                              " single process, or not survive a lost worker (see docs/guide/accelerate.md)")
+
+
+class _Loader:
+    """The prepared training loader: this member's micro-batches of each step, one epoch per pass."""
+
+    def __init__(self, accelerator: "Accelerator", steps_per_epoch: int, micro_per_step: int) -> None:
+        self._accelerator = accelerator
+        self.steps_per_epoch = steps_per_epoch
+        self._len = steps_per_epoch * micro_per_step
+
+    def __len__(self) -> int:
+        """Batches of one epoch as a single process sees them (``gradient_accumulation_steps`` per step)."""
+        return self._len
+
+    def __iter__(self) -> Iterator[Any]:
+        loop = self._accelerator._loop
+        for batch in loop.batches(self.steps_per_epoch):
+            yield _to(batch, self._accelerator.device)
+
+
+class _EvalLoader:
+    """A prepared evaluation loader: all of it, on every member (see the module's docstring)."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self._loader, self._device = loader, device
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._loader:
+            yield _to(batch, self._device)
+
+
+class _Optimizer:
+    """The prepared optimizer: ``step()`` commits the step after its last batch, ``zero_grad()``
+    is left to the commit; everything else is the optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: "Accelerator") -> None:
+        self.optimizer, self._accelerator = optimizer, accelerator
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise _refuse("optimizer.step(closure)")
+        self._accelerator._loop.optimizer_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the commit zeroes the gradients after the optimizer step."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class _Scheduler:
+    """The prepared scheduler: the commit steps it, once per committed step."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the commit steps the scheduler."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+class Accelerator:
+    """Accelerate's ``Accelerator`` for a script that survives lost workers (see the module's docstring).
+
+    Args:
+        gradient_accumulation_steps: micro-batches per step as a single process sees them; a
+            step's global batch is ``batch_size`` times this (default 1).
+        global_batch_size: samples per step over all workers (default: the loader's batch size
+            times ``gradient_accumulation_steps``).
+        num_epochs: passes over the training loader the script makes (default 1); the job ends
+            after them, or where every worker stops iterating.
+        max_steps: the job's steps instead of ``num_epochs`` passes.
+        seed: seeds the sample order.
+        cpu: train on the CPU even where a GPU is.
+        **refused: Accelerate arguments unbroken does not support are refused, naming them;
+            others that do not change training (``device_placement``, ``project_dir``, ...) are accepted.
+    """
+
+    def __init__(self, gradient_accumulation_steps: int = 1, *, global_batch_size: int | None = None, num_epochs: int = 1,
+                 max_steps: int | None = None, seed: int = 0, cpu: bool = False, **accelerate_args: Any) -> None:
+        for name, value in accelerate_args.items():
+            if name in REFUSED and value not in (None, False, "no", [], {}):
+                raise _refuse(REFUSED[name])
+        if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ConfigError(f"gradient_accumulation_steps must be a positive integer, got {gradient_accumulation_steps!r}")
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self._global_batch_size, self._num_epochs, self._max_steps, self._seed = global_batch_size, num_epochs, max_steps, seed
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device("cpu") if cpu or not torch.cuda.is_available() else torch.device("cuda", local)
+        self._loop: DrivenLoop | None = None
+
+    # -- preparing ---------------------------------------------------------------------------
+
+    def prepare(self, *objects: Any) -> Any:
+        """Prepare the model, the optimizer, the training loader (the first), evaluation loaders
+        and a scheduler, in any order; returns them in the same order."""
+        models = [o for o in objects if isinstance(o, torch.nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader)]
+        schedulers = [o for o in objects if hasattr(o, "step") and hasattr(o, "get_last_lr")]
+        if self._loop is not None:
+            raise _refuse("a second call to prepare() (prepare the model, optimizer, loaders and scheduler in one call)")
+        if len(models) != 1 or len(optimizers) != 1 or not loaders:
+            raise ConfigError("unbroken's Accelerator prepares one model, one optimizer and the training data loader (then"
+                              f" evaluation loaders and a scheduler) in one call; got {len(models)} model(s),"
+                              f" {len(optimizers)} optimizer(s), {len(loaders)} data loader(s)")
+        if len(schedulers) > 1:
+            raise _refuse("several schedulers")
+        model = models[0].to(self.device)
+        train = loaders[0]
+        self._check_loader(train)
+        micro = train.batch_size
+        global_batch = self._global_batch_size or micro * self.gradient_accumulation_steps
+        steps_per_epoch = len(train.dataset) // global_batch
+        if steps_per_epoch < 1:
+            raise ConfigError(f"the training data set holds {len(train.dataset)} samples, fewer than one step's global batch"
+                              f" of {global_batch}")
+        total = self._max_steps if self._max_steps is not None else steps_per_epoch * self._num_epochs
+        self._loop = DrivenLoop(
+            total, model=model, optimizer=optimizers[0], dataset=train.dataset, global_batch_size=global_batch,
+            micro_batch_size=micro, seed=self._seed, scheduler=schedulers[0] if schedulers else None,
+            collate_fn=train.collate_fn,
+        )
+        prepared: dict[int, Any] = {
+            id(model): model,
+            id(optimizers[0]): _Optimizer(optimizers[0], self),
+            id(train): _Loader(self, steps_per_epoch, math.ceil(global_batch / micro)),
+        }
+        for loader in loaders[1:]:
+            prepared[id(loader)] = _EvalLoader(loader, self.device)
+        for scheduler in schedulers:
+            prepared[id(scheduler)] = _Scheduler(scheduler)
+        out = tuple(prepared.get(id(o), o) for o in objects)
+        return out[0] if len(out) == 1 else out
+
+    @staticmethod
+    def _check_loader(loader: torch.utils.data.DataLoader) -> None:
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_size is None:
+            raise _refuse("an IterableDataset or a batch sampler (unbroken plans the samples of each step: give the"
+                          " DataLoader a map-style data set and a batch_size)")
+
+    @property
+    def job(self) -> Any:
+        """The :class:`~unbroken.Job` behind the loop (``on_leader``, ``stop``, ``next_step``)."""
+        if self._loop is None:
+            raise ConfigError("call accelerator.prepare(model, optimizer, train_loader, ...) first")
+        return self._loop.job
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The batch's mean loss, weighted by its share of the step (not divided by the accumulation steps)."""
+        self._loop.backward(loss)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on this member's last batch of the step: ``optimizer.step()`` then commits it."""
+        return self._loop is not None and self._loop.sync
+
+    def accumulate(self, *models: Any) -> contextlib.AbstractContextManager:
+        """Nothing to do: the step knows its batches (kept so that scripts run unchanged)."""
+        return contextlib.nullcontext()
+
+    def no_sync(self, model: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Reduce the step's gradients over every member, then clip them (as DDP clips reduced ones)."""
+        if not self._loop.reduce():
+            return None  # a member was lost: the step is redone, and so is this
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        if self._loop.reduce():
+            torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        step = self._loop.step if self._loop is not None else None
+        return step is None or not step.committed
+
+    # -- who is who ----------------------------------------------------------------------------
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on the leader of the current generation (it changes when workers come and go)."""
+        return self._loop is None or self._loop.job.is_leader
+
+    is_local_main_process = is_main_process
+
+    @property
+    def process_index(self) -> int:
+        return 0 if self._loop is None else self._loop.job.member_index
+
+    @property
+    def num_processes(self) -> int:
+        return 1 if self._loop is None else self._loop.job.member_count
+
+    @property
+    def use_distributed(self) -> bool:
+        return self._loop is not None and self._loop.job.distributed
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def unwrap_model(self, model: Any, **kwargs: Any) -> Any:
+        return model
+
+    def wait_for_everyone(self) -> None:
+        """Nothing: a worker never needs to wait for the others here (the leader's work goes
+        through :meth:`on_main_process`-guarded code or ``accelerator.job.on_leader``)."""
+
+    # -- metrics and saving --------------------------------------------------------------------
+
+    def gather_for_metrics(self, value: Any, use_gather_object: bool = False) -> Any:
+        """Evaluation loaders are not sharded: every member holds every result already."""
+        return value
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's ``tensor``, concatenated (over the current generation)."""
+        import torch.distributed as dist
+
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        if not dist.is_initialized():
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts)
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        gathered = self.gather(tensor).reshape(-1, *tensor.shape) if tensor.dim() else self.gather(tensor)
+        return gathered.sum(0) if reduction == "sum" else gathered.mean(0)
+
+    def save(self, obj: Any, f: Any, **kwargs: Any) -> None:
+        """``torch.save`` on the leader."""
+        if self.is_main_process:
+            torch.save(obj, f)
+
+    def save_state(self, output_dir: str, **kwargs: Any) -> None:
+        """The leader saves the model's, optimizer's and scheduler's states in ``output_dir``;
+        call it on every worker at the same point (every worker's is the same). Durable
+        checkpoints that a restarted job resumes from are ``unbroken run --checkpoint-dir``'s."""
+        job = self.job
+
+        def save() -> None:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(job.model.state_dict(), os.path.join(output_dir, "model.pt"))
+            torch.save(job.optimizer.state_dict(), os.path.join(output_dir, "optimizer.pt"))
+            if job.scheduler is not None:
+                torch.save(job.scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+        job.on_leader(save)
+
+    def end_training(self) -> None:
+        """End the job here, for every worker that ends it at the same step (idempotent; also at exit)."""
+        if self._loop is not None:
+            self._loop.finish()
+
+    def __getattr__(self, name: str) -> Any:
+        raise _refuse(f"Accelerator.{name}")
