@@ -194,7 +194,8 @@ class Accelerator:
         self._loop = DrivenLoop(
             total, model=model, optimizer=optimizers[0], dataset=train.dataset, global_batch_size=global_batch,
             micro_batch_size=micro, seed=self._seed, scheduler=schedulers[0] if schedulers else None,
-            collate_fn=train.collate_fn,
+            # torch's default is unbroken's too, which indexes a TensorDataset in one go
+            collate_fn=None if train.collate_fn is torch.utils.data.default_collate else train.collate_fn,
         )
         prepared: dict[int, Any] = {
             id(model): model,
