@@ -125,6 +125,8 @@ class Job:
         self.optimizer = optimizer
         self._committing = False
         """True while :meth:`Step.commit` steps the optimizer: its only rightful caller."""
+        self._left_on_error = False
+        """Set by a framework's loop that leaves job.steps() because of an error (never a stop)."""
         self._inputs_checked = False
         """Whether this process's first micro-batch was followed into the model (:mod:`unbroken.input_check`)."""
         self._in_loop_body = False
@@ -436,7 +438,7 @@ class Job:
                     # The loop body left: a break, or an exception. After the step's commit, when
                     # every member left after the same step, the job ends here as at a normal end;
                     # otherwise this member leaves unfinished, as it always did.
-                    if (step.committed or step.untouched) and self._left_together():
+                    if (step.committed or step.untouched) and not self._left_on_error and self._left_together():
                         finished = True
                         return
                     raise

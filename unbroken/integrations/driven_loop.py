@@ -14,6 +14,7 @@ job at the boundary where the script stopped iterating, as a ``break`` taken by 
 from __future__ import annotations
 
 import atexit
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,29 +42,44 @@ class DrivenLoop:
         atexit.register(self.finish)
 
     @property
+    def finished(self) -> bool:
+        """True once the job ended for this member."""
+        return self._finished
+
+    @property
     def sync(self) -> bool:
         """True while the current micro-batch is the last of this member's share of its step: its
         backward completes the step's gradients (Accelerate's ``sync_gradients``)."""
         return self.step is not None and self._micro == len(self.step._micro) - 1
 
-    def batches(self, steps: int | None = None) -> Iterator[Any]:
-        """The micro-batches of the next ``steps`` steps (all that remain if None), redoing a failed one."""
+    def next(self) -> Step | None:
+        """The next step to run (the same one again after a failure); None once the job ended."""
         if self._finished:
-            return
+            return None
         if self._steps is None:
             self._steps = self.job.steps(total=self.total)
+        self.step = next(self._steps, None)
+        if self.step is None:  # the job ended (a member stopped it, or it finished without us)
+            self._finished = True
+        return self.step
+
+    def after_commit(self) -> None:
+        """After the last step's commit: end the job as at a normal end (the final replica check
+        and checkpoint), with every member."""
+        if self.job.next_step >= self.total and not self._finished:
+            self._finished = next(self._steps, None) is None
+
+    def batches(self, steps: int | None = None) -> Iterator[Any]:
+        """The micro-batches of the next ``steps`` steps (all that remain if None), redoing a failed one."""
         end = self.total if steps is None else min(self.total, self.job.next_step + steps)
         while self.job.next_step < end:
-            step = next(self._steps, None)
-            if step is None:  # the job ended (a member stopped it, or it finished without us)
-                self._finished = True
+            step = self.next()
+            if step is None:
                 return
-            self.step = step
             for self._micro, batch in enumerate(step.micro_batches()):
                 yield batch
             self.step = None
-        if self.job.next_step >= self.total and not self._finished:
-            self._finished = next(self._steps, None) is None  # the end: final replica check and checkpoint
+        self.after_commit()
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.step is None:
@@ -87,9 +103,15 @@ class DrivenLoop:
 
     def finish(self) -> None:
         """End the job where the script stopped iterating: every member at the same boundary ends
-        it as finished (a ``break`` by every member); idempotent, and run at exit."""
+        it as finished (a ``break`` by every member); idempotent, and run at exit. With an
+        exception in flight (or one that ended the script), leave the job unfinished instead:
+        an error is never a decision to stop training."""
         if self._finished:
             return
         self._finished = True
         if self._steps is not None:
+            from unbroken.lifetime import ExitGuard
+
+            if sys.exc_info()[0] is not None or ExitGuard.crashed:
+                self.job._left_on_error = True
             self._steps.close()

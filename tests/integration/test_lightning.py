@@ -1,0 +1,78 @@
+"""PyTorch Lightning's Trainer under unbroken (issue 28): ``examples/train_lightning.py`` is a
+LightningModule (``self.log(sync_dist=True)``, a scheduler stepped per step, validation) and a
+Trainer (``accumulate_grad_batches``, ``gradient_clip_val``) with ``strategy=UnbrokenStrategy()``.
+Two workers, a SIGKILL mid-run: exit 0, every sample exactly once, ``global_step`` counts
+committed steps only, the model of a failure-free run and, in float64, of a single process; a job
+whose every worker is killed resumes from its checkpoint."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integration import harness
+from tests.needs import module
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "examples", "train_lightning.py")
+STEPS, GLOBAL = 24, 16  # batch_size 8 x accumulate_grad_batches 2
+
+
+def _single(tmp_path) -> dict:
+    out = str(tmp_path / "single.pt")
+    done = subprocess.run([sys.executable, SCRIPT, "--steps", str(STEPS), "--dtype", "float64", "--out", out], capture_output=True,
+                          text=True, timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _run(tmp_path, name: str, *flags: str) -> tuple:
+    module("lightning")
+    run_dir, out = str(tmp_path / name), str(tmp_path / f"{name}.pt")
+    run = harness.unbroken(run_dir, "--nproc-per-node", "2", "--record-samples", *flags, SCRIPT, "--steps", str(STEPS),
+                           "--dtype", "float64", "--out", out, timeout=300)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
+    return run, torch.load(out, weights_only=True)
+
+
+def test_a_lightning_trainer_survives_a_kill_with_the_model_of_a_single_process(tmp_path):
+    run, killed = _run(tmp_path, "killed", "--chaos", "kill@allreduce,rank=1,step=9")
+    assert sum(w["restarts"] for w in run.summary()["workers"]) == 1, run.summary()["workers"]
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    assert re.search(rf"done: {STEPS} steps", run.stdout), run.stdout[-2000:]  # global_step: committed steps only
+    _, healthy = _run(tmp_path, "healthy")
+    assert harness.max_relative_difference(killed, healthy) < 1e-8
+    assert harness.max_relative_difference(killed, _single(tmp_path)) < 1e-8
+
+
+def test_a_lightning_job_whose_every_worker_is_killed_resumes_from_its_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run, resumed = _run(tmp_path, "resumed", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
+                        "--chaos", "kill@step,rank=0,step=13;kill@step,rank=1,step=13")
+    assert "resumed from step 10" in run.stdout, run.stdout[-3000:]
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    assert harness.max_relative_difference(resumed, _single(tmp_path)) < 1e-8
+
+
+def test_a_restarted_worker_rejoins_with_lightnings_counters_at_the_jobs_step(tmp_path):
+    module("lightning")
+    steps, run_dir, out = 400, str(tmp_path / "run"), str(tmp_path / "rejoined.pt")
+    # 400 steps of 50 ms: the restarted worker (Lightning takes seconds to import) rejoins long before the end
+    run = harness.unbroken(run_dir, "--nproc-per-node", "2", "--chaos", "kill@allreduce,rank=1,step=20", SCRIPT,
+                           "--steps", str(steps), "--dtype", "float64", "--step-delay", "0.05", "--out", out, timeout=300)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    kill = run.events("fault")[0]["t"]
+    assert [e for e in run.events("generation") if e["t"] > kill and len(e["members"]) == 2], "the restarted worker never rejoined"
+    restarted = open(os.path.join(run_dir, "workers", "w1.log")).read().split("===== vm.w1.r1 starting =====")[-1]
+    assert f"done: {steps} steps" in restarted, restarted[-2000:]  # healed at the job's step, its global_step too
+    single = str(tmp_path / "single.pt")
+    done = subprocess.run([sys.executable, SCRIPT, "--steps", str(steps), "--dtype", "float64", "--out", single], capture_output=True,
+                          text=True, timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert harness.max_relative_difference(torch.load(out, weights_only=True), torch.load(single, weights_only=True)) < 1e-8

@@ -1,0 +1,286 @@
+"""PyTorch Lightning's ``Trainer`` under unbroken: one strategy, the LightningModule unchanged.
+
+::
+
+    from unbroken.integrations.lightning import UnbrokenStrategy
+
+    trainer = L.Trainer(strategy=UnbrokenStrategy(), accelerator="cpu", devices=1, max_steps=200,
+                        accumulate_grad_batches=2, gradient_clip_val=1.0)
+    trainer.fit(model, train_loader, val_loader)
+
+Every worker that ``unbroken run`` starts runs this ``Trainer`` on one device; the strategy makes
+them one job. Each batch Lightning's loop sees is one of unbroken's steps: the strategy's
+``training_step`` runs the module's ``training_step`` on this worker's share of the step, in
+micro-batches of the loader's ``batch_size`` (the step's global batch is ``batch_size x
+accumulate_grad_batches`` samples, whatever the number of workers), backpropagates each loss
+weighted by its share and reduces the gradients over every worker. A step whose reduce failed (a
+worker was lost) is redone inside it, over the new generation, so Lightning's loop never sees the
+failure: ``trainer.global_step`` counts committed steps, schedulers and callbacks run once per
+step. Lightning then clips the reduced gradients (``gradient_clip_val``) and the optimizer step
+is unbroken's commit. Lightning itself runs on each worker as if alone, with no collective of
+its own: validation loaders are not sharded (every worker validates all of it, so its metrics
+need no sync), and a worker healed into the job mid-way gets Lightning's step and epoch counters
+set to the job's, so that every worker's Lightning takes the same decisions at the same steps.
+``is_global_zero`` and ``rank_zero_only`` follow the current leader.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+
+from unbroken.errors import ConfigError
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.trainer.states import RunningStage
+except ImportError as exc:  # pragma: no cover - the extra is not installed
+    raise ImportError(f"unbroken.integrations.lightning needs PyTorch Lightning: pip install 'unbroken[lightning]' ({exc})") from None
+
+from unbroken.integrations.driven_loop import DrivenLoop
+
+
+class UnsupportedFeature(ConfigError):
+    """A Lightning feature that unbroken cannot keep its guarantees with; the message names it."""
+
+
+def _refuse(feature: str) -> UnsupportedFeature:
+    return UnsupportedFeature(f"UnbrokenStrategy does not support {feature}: it would train a different model than a single"
+                              " process, or not survive a lost worker (see docs/guide/lightning.md)")
+
+
+class _Token:
+    """What Lightning's loop takes for a batch: the next step, whose batches the strategy loads."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Steps:
+    """The training loader Lightning iterates: one token per step of an epoch (prefetched
+    freely: a token loads nothing)."""
+
+    def __init__(self, steps_per_epoch: int) -> None:
+        self.steps_per_epoch = steps_per_epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[_Token]:
+        return (_Token(i) for i in range(self.steps_per_epoch))
+
+
+class _LightningState:
+    """The learning-rate schedulers Lightning steps, healed and checkpointed with the model."""
+
+    def __init__(self, trainer: "pl.Trainer") -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": [c.scheduler.state_dict() for c in self._trainer.lr_scheduler_configs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for config, saved in zip(self._trainer.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(saved)
+
+
+class UnbrokenStrategy(SingleDeviceStrategy):
+    """Lightning's strategy for a job that survives lost workers (see the module's docstring).
+
+    Args:
+        device: this worker's device (default: the CPU, or ``cuda:LOCAL_RANK`` where a GPU is).
+        global_batch_size: samples per step over all workers (default: the training loader's
+            ``batch_size`` times the Trainer's ``accumulate_grad_batches``).
+        seed: seeds the sample order (unbroken plans it: the loader's sampler is not used).
+    """
+
+    strategy_name = "unbroken"
+
+    def __init__(self, device: Any = None, *, global_batch_size: int | None = None, seed: int = 0, **kwargs: Any) -> None:
+        if device is None:
+            from unbroken.devices import local_device
+
+            device = local_device() if torch.cuda.is_available() else torch.device("cpu")
+        super().__init__(device=device, **kwargs)
+        self._global_batch_size, self._seed = global_batch_size, seed
+        self._loop: DrivenLoop | None = None
+        self._pending: Any = None  # the first step, taken before Lightning's loop starts
+
+    # -- who is who ----------------------------------------------------------------------------
+
+    @property
+    def job(self) -> Any:
+        """The :class:`~unbroken.Job` behind the loop (``on_leader``, ``stop``, ``next_step``)."""
+        if self._loop is None:
+            raise ConfigError("the job starts when trainer.fit() sets up its training data")
+        return self._loop.job
+
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._loop is None or self._loop.job.is_leader
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        # unbroken plans the training samples, and validation loaders are not sharded: no
+        # DistributedSampler for any loader
+        trainer._accelerator_connector.use_distributed_sampler = False
+        super().setup(trainer)
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True  # the strategy's steps hold the accumulation: Lightning steps the optimizer once per step
+
+    # -- the training data ---------------------------------------------------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if self._loop is not None:
+            raise _refuse("a second training loader (or reloading it every epoch)")
+        loader = dataloader
+        if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            raise _refuse("a training loader that is not a torch DataLoader over a map-style data set")
+        if loader.batch_size is None:
+            raise _refuse("a training loader without batch_size (a batch sampler)")
+        if len(self.optimizers) != 1:
+            raise _refuse(f"{len(self.optimizers)} optimizers (one optimizer per job)")
+        if not self.lightning_module.automatic_optimization:
+            raise _refuse("manual optimization (self.automatic_optimization = False)")
+        global_batch = self._global_batch_size or loader.batch_size * trainer.accumulate_grad_batches
+        trainer.accumulate_grad_batches = 1  # each of Lightning's batches is one whole step
+        steps_per_epoch = len(loader.dataset) // global_batch
+        if steps_per_epoch < 1:
+            raise ConfigError(f"the training data set holds {len(loader.dataset)} samples, fewer than one step's global"
+                              f" batch of {global_batch}")
+        total = _total_steps(trainer, steps_per_epoch)
+        self._loop = DrivenLoop(
+            total, model=self.lightning_module, optimizer=self.optimizers[0], dataset=loader.dataset,
+            global_batch_size=global_batch, micro_batch_size=loader.batch_size, seed=self._seed,
+            collate_fn=None if loader.collate_fn is torch.utils.data.default_collate else loader.collate_fn,
+            extra_state=_LightningState(trainer),
+        )
+        # Join the job now, before Lightning's loop starts: a worker healed into a job under way
+        # (restarted, or new) starts at its step, and Lightning's counters are set to match.
+        self._pending = self._loop.next()
+        if self._pending is not None and self._pending.index > 0:
+            trainer.fit_loop.load_state_dict(_loop_state_at(trainer, self._pending.index, steps_per_epoch))
+        return _Steps(steps_per_epoch)
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if isinstance(batch, _Token):
+            return batch
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """One of unbroken's steps: the module's ``training_step`` on each micro-batch of this
+        worker's share, each loss backpropagated with its weight, the gradients reduced; a step
+        whose reduce failed is redone here. Returns the step's global loss (already backpropagated)."""
+        token, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if not isinstance(token, _Token):
+            return super().training_step(*args, **kwargs)
+        loop = self._loop
+        while True:
+            step, self._pending = self._pending or loop.next(), None
+            if step is None:  # the job ended (job.stop on a member, or it finished without this one): so does Lightning
+                self.lightning_module.trainer.should_stop = True
+                return None
+            for micro in step.micro_batches():
+                with self.precision_plugin.train_step_context():
+                    out = self.lightning_module.training_step(self.batch_to_device(micro), batch_idx)
+                loss = out["loss"] if isinstance(out, dict) else out
+                if loss is None:
+                    raise _refuse("a training_step that returns None (skipping a batch would leave its samples out)")
+                step.backward(loss)
+            if step.reduce():
+                return torch.tensor(step.loss, dtype=torch.float32, device=self.root_device, requires_grad=True)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The step's losses were backpropagated in :meth:`training_step`: run the hooks only."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Run the step (the closure: zero_grad, :meth:`training_step`, the backward hooks, then
+        Lightning's clipping of the reduced gradients) and commit it; a commit refused (a worker
+        was lost between the reduce and the commit) runs the closure again on the redone step."""
+        model = model or self.lightning_module
+        loop = self._loop
+        if hasattr(closure, "_zero_grad_fn"):
+            closure._zero_grad_fn = None  # Lightning zeroes between training_step and backward: the commit zeroes after the step
+        while True:
+            result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+            if loop.step is None:  # the job ended before this step (see training_step)
+                return result
+            if loop.step.commit():
+                loop.after_commit()
+                if loop.finished:
+                    self.lightning_module.trainer.should_stop = True
+                return result
+
+    # -- Lightning's own collectives: none --------------------------------------------------------
+    # Every worker runs Lightning's loop as if alone: the same model, the same validation data and
+    # the same step counter make its decisions (early stopping, checkpoint paths) the same
+    # everywhere, and a worker healed into the job mid-way can never be inside one of Lightning's
+    # collectives while the others are in a step's. So reduce, gather and broadcast are local.
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Local: validation is not sharded (every worker holds the value), and a training step's
+        loss is reduced by unbroken (``step.loss``, what the progress bar shows)."""
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        return decision
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: no worker needs to wait for the others (the leader saves alone)."""
+
+    def teardown(self) -> None:
+        if self._loop is not None:
+            self._loop.finish()
+        super().teardown()
+
+
+def _loop_state_at(trainer: "pl.Trainer", step: int, steps_per_epoch: int) -> dict[str, Any]:
+    """Lightning's fit-loop state as a checkpoint saved after ``step`` committed steps would hold
+    it: the epoch, the batch within it, the optimizer steps (``global_step``)."""
+    epoch, batch = divmod(step, steps_per_epoch)
+    state = trainer.fit_loop.state_dict()
+
+    def counts(total: int, current: int, *names: str) -> dict[str, Any]:
+        return {"total": {n: total for n in names}, "current": {n: current for n in names}}
+
+    state["epoch_progress"] = counts(epoch + 1, epoch + 1, "ready", "started")
+    for n in ("processed", "completed"):
+        state["epoch_progress"]["total"][n] = state["epoch_progress"]["current"][n] = epoch
+    state["epoch_loop.batch_progress"] = {**counts(step, batch, "ready", "started", "processed", "completed"), "is_last_batch": False}
+    state["epoch_loop.state_dict"] = {**state.get("epoch_loop.state_dict", {}), "_batches_that_stepped": step}
+    state["epoch_loop.automatic_optimization.optim_progress"] = {
+        "optimizer": {"step": counts(step, batch, "ready", "completed"), "zero_grad": counts(step, batch, "ready", "started", "completed")},
+    }
+    return state
+
+
+def _total_steps(trainer: "pl.Trainer", steps_per_epoch: int) -> int:
+    """The job's steps: Lightning's ``max_steps``, or ``max_epochs`` passes, whichever ends first."""
+    limits = []
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        limits.append(trainer.max_steps)
+    if trainer.max_epochs is not None and trainer.max_epochs > 0:
+        limits.append(trainer.max_epochs * steps_per_epoch)
+    if not limits:
+        raise ConfigError("UnbrokenStrategy needs max_steps or max_epochs: the job's steps are planned ahead")
+    return min(limits) if math.isfinite(min(limits)) else limits[0]
