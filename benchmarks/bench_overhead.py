@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
