@@ -1,13 +1,15 @@
-"""A healthy step of an Accelerate script under unbroken next to the same script under torchrun
-with Accelerate's own ``Accelerator`` (issue 28).
+"""A healthy step of an Accelerate script and of a Lightning Trainer under unbroken, each next to
+the same script under torchrun with the framework's own distribution (issue 28).
 
-    python benchmarks/bench_integrations.py [--pairs 5] [--steps 40] [--width 1024]
+    python benchmarks/bench_integrations.py [--pairs 5] [--steps 40] [--width 1024] [--frameworks accelerate,lightning]
 
-Two CPU workers run ``benchmarks/accelerate_step.py`` (an MLP, two micro-batches of 16 per
-worker and step, clipping, AdamW): once with ``torchrun`` and Accelerate's ``Accelerator``, once
-with ``unbroken run`` and ``unbroken.integrations.accelerate.Accelerator`` given the same global
-batch. The runs alternate, in pairs; each reports the mean step after the first five. Prints a
-markdown table with the medians and the ratio, and writes benchmarks/results/integrations.json.
+Two CPU workers run the same MLP (two micro-batches of 16 per worker and step, clipping, AdamW):
+``benchmarks/accelerate_step.py`` with Accelerate's ``Accelerator`` under ``torchrun`` and with
+``unbroken.integrations.accelerate.Accelerator`` under ``unbroken run``; ``benchmarks/lightning_step.py``
+with ``strategy="ddp"`` under ``torchrun`` and with ``UnbrokenStrategy`` under ``unbroken run``;
+unbroken's given the same global batch. The runs alternate, in pairs; each reports the mean step
+after the first five. Prints a markdown table with the medians and the pairwise ratios, and
+writes benchmarks/results/integrations.json.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.common import save_results, seconds  # noqa: E402
 
-SCRIPT = os.path.join(HERE, "accelerate_step.py")
-
 
 def _step_seconds(argv: list[str]) -> float:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, start_new_session=True, cwd=ROOT)
@@ -37,26 +37,35 @@ def _step_seconds(argv: list[str]) -> float:
     return float(found.group(1))
 
 
+SCRIPTS = {"accelerate": ("accelerate_step.py", "Accelerate's Accelerator", "unbroken's Accelerator"),
+           "lightning": ("lightning_step.py", "Lightning's DDP strategy", "UnbrokenStrategy")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--frameworks", default="accelerate,lightning")
     args = parser.parse_args()
     common = ["--steps", str(args.steps), "--width", str(args.width)]
-    torchrun, ours = [], []
+    results: dict[str, dict[str, list[float]]] = {}
+    print("| 2 CPU workers | torchrun | unbroken run | ratio (pairwise) |\n| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-integrations-") as directory:
-        for i in range(args.pairs):
-            torchrun.append(_step_seconds([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT,
-                                           "--real", *common]))
-            ours.append(_step_seconds([sys.executable, "-m", "unbroken", "run", "--run-dir", os.path.join(directory, f"r{i}"),
-                                       "--nproc-per-node", "2", SCRIPT, *common]))
-    ratios = [b / a for a, b in zip(torchrun, ours)]
-    print("| Accelerate script, 2 CPU workers | healthy step |\n| --- | --- |")
-    print(f"| torchrun + Accelerate's Accelerator | {seconds(torchrun, 4)} |")
-    print(f"| unbroken run + unbroken's Accelerator | {seconds(ours, 4)} |")
-    print(f"| ratio (pairwise) | {statistics.median(ratios):.3f}x ({min(ratios):.3f} – {max(ratios):.3f}) |")
-    save_results(os.path.join(HERE, "results", "integrations.json"), {"torchrun": torchrun, "unbroken": ours, "ratios": ratios})
+        for framework in [f for f in args.frameworks.split(",") if f]:
+            script, theirs, ours_name = SCRIPTS[framework]
+            path = os.path.join(HERE, script)
+            torchrun, ours = [], []
+            for i in range(args.pairs):
+                torchrun.append(_step_seconds([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", path,
+                                               "--real", *common]))
+                ours.append(_step_seconds([sys.executable, "-m", "unbroken", "run", "--run-dir",
+                                           os.path.join(directory, f"{framework}{i}"), "--nproc-per-node", "2", path, *common]))
+            ratios = [b / a for a, b in zip(torchrun, ours)]
+            results[framework] = {"torchrun": torchrun, "unbroken": ours, "ratios": ratios}
+            print(f"| {framework}: {theirs} / {ours_name} | {seconds(torchrun, 4)} | {seconds(ours, 4)} |"
+                  f" {statistics.median(ratios):.3f}x ({min(ratios):.3f} – {max(ratios):.3f}) |", flush=True)
+    save_results(os.path.join(HERE, "results", "integrations.json"), results)
 
 
 if __name__ == "__main__":
