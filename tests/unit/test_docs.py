@@ -66,7 +66,7 @@ def test_every_long_option_of_a_command_is_in_its_section_of_the_cli_reference(s
 
 def test_the_api_reference_documents_the_public_names(site: Path) -> None:
     page = (site / "reference" / "api" / "index.html").read_text()
-    for name in ("Job", "Step", "RuntimeSettings"):
+    for name in ("Job", "Step", "RuntimeSettings", "RandomWindows", "ScriptState"):
         assert f'id="unbroken.{name}"' in page, f"unbroken.{name} is not in the API reference"
 
 
