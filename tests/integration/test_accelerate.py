@@ -3,39 +3,25 @@ Accelerate's minimal example with the import of ``Accelerator`` changed. Two wor
 mid-run: exit 0, every sample exactly once, the model of a failure-free run and, in float64, of a
 single process; a job whose every worker is killed resumes from its checkpoint."""
 
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
 
-from tests.integration import harness
+from tests.integration import example_runs, harness
 from tests.needs import module
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "examples", "train_accelerate.py")
-STEPS, GLOBAL = 24, 16  # batch_size 8 x gradient_accumulation_steps 2
+SCRIPT = example_runs.example("train_accelerate.py")
+STEPS, GLOBAL = 24, 16
+ARGS = ("--steps", str(STEPS), "--dtype", "float64")
 
 
 def _single(tmp_path) -> dict:
-    out = str(tmp_path / "single.pt")
-    done = subprocess.run([sys.executable, SCRIPT, "--steps", str(STEPS), "--dtype", "float64", "--out", out], capture_output=True,
-                          text=True, timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+    return example_runs.alone(SCRIPT, str(tmp_path / "single.pt"), *ARGS)
 
 
 def _run(tmp_path, name: str, *flags: str) -> tuple:
     module("accelerate")
-    run_dir, out = str(tmp_path / name), str(tmp_path / f"{name}.pt")
-    run = harness.unbroken(run_dir, "--nproc-per-node", "2", "--record-samples", *flags, SCRIPT, "--steps", str(STEPS),
-                           "--dtype", "float64", "--out", out, timeout=300)
-    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
-    return run, torch.load(out, weights_only=True)
+    return example_runs.two_workers(str(tmp_path / name), SCRIPT, *flags, script_args=ARGS)
 
 
 def test_an_accelerate_script_survives_a_kill_with_the_model_of_a_single_process(tmp_path):

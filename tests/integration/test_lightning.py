@@ -7,38 +7,27 @@ whose every worker is killed resumes from its checkpoint."""
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.integration import harness
+from tests.integration import example_runs, harness
 from tests.needs import module
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "examples", "train_lightning.py")
-STEPS, GLOBAL = 24, 16  # batch_size 8 x accumulate_grad_batches 2
+SCRIPT = example_runs.example("train_lightning.py")
+STEPS, GLOBAL = 24, 16
+ARGS = ("--steps", str(STEPS), "--dtype", "float64")
 
 
 def _single(tmp_path) -> dict:
-    out = str(tmp_path / "single.pt")
-    done = subprocess.run([sys.executable, SCRIPT, "--steps", str(STEPS), "--dtype", "float64", "--out", out], capture_output=True,
-                          text=True, timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+    return example_runs.alone(SCRIPT, str(tmp_path / "single.pt"), *ARGS)
 
 
 def _run(tmp_path, name: str, *flags: str) -> tuple:
     module("lightning")
-    run_dir, out = str(tmp_path / name), str(tmp_path / f"{name}.pt")
-    run = harness.unbroken(run_dir, "--nproc-per-node", "2", "--record-samples", *flags, SCRIPT, "--steps", str(STEPS),
-                           "--dtype", "float64", "--out", out, timeout=300)
-    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
-    return run, torch.load(out, weights_only=True)
+    return example_runs.two_workers(str(tmp_path / name), SCRIPT, *flags, script_args=ARGS)
 
 
 def test_a_lightning_trainer_survives_a_kill_with_the_model_of_a_single_process(tmp_path):
@@ -71,8 +60,5 @@ def test_a_restarted_worker_rejoins_with_lightnings_counters_at_the_jobs_step(tm
     assert [e for e in run.events("generation") if e["t"] > kill and len(e["members"]) == 2], "the restarted worker never rejoined"
     restarted = open(os.path.join(run_dir, "workers", "w1.log")).read().split("===== vm.w1.r1 starting =====")[-1]
     assert f"done: {steps} steps" in restarted, restarted[-2000:]  # healed at the job's step, its global_step too
-    single = str(tmp_path / "single.pt")
-    done = subprocess.run([sys.executable, SCRIPT, "--steps", str(steps), "--dtype", "float64", "--out", single], capture_output=True,
-                          text=True, timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert harness.max_relative_difference(torch.load(out, weights_only=True), torch.load(single, weights_only=True)) < 1e-8
+    single = example_runs.alone(SCRIPT, str(tmp_path / "single.pt"), "--steps", str(steps), "--dtype", "float64")
+    assert harness.max_relative_difference(torch.load(out, weights_only=True), single) < 1e-8
