@@ -36,12 +36,20 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from unbroken.errors import ConfigError
-from unbroken.integrations.driven_loop import DrivenLoop
+from unbroken.integrations.driven_loop import (
+    CommittedScheduler,
+    CommittingOptimizer,
+    DrivenLoop,
+    EvaluationBatches,
+    TrainingBatches,
+    default_collate_or,
+    plan_steps,
+)
 
 REFUSED = {
     "mixed_precision": "mixed precision through Accelerate (pass a torch.amp.GradScaler to unbroken.Job instead, or train in"
@@ -62,76 +70,6 @@ class UnsupportedFeature(ConfigError):
 def _refuse(feature: str) -> UnsupportedFeature:
     return UnsupportedFeature(f"unbroken's Accelerator does not support {feature}: it would train a different model than a"
                               " single process, or not survive a lost worker (see docs/guide/accelerate.md)")
-
-
-class _Loader:
-    """The prepared training loader: this member's micro-batches of each step, one epoch per pass."""
-
-    def __init__(self, accelerator: "Accelerator", steps_per_epoch: int, micro_per_step: int) -> None:
-        self._accelerator = accelerator
-        self.steps_per_epoch = steps_per_epoch
-        self._len = steps_per_epoch * micro_per_step
-
-    def __len__(self) -> int:
-        """Batches of one epoch as a single process sees them (``gradient_accumulation_steps`` per step)."""
-        return self._len
-
-    def __iter__(self) -> Iterator[Any]:
-        loop = self._accelerator._loop
-        for batch in loop.batches(self.steps_per_epoch):
-            yield _to(batch, self._accelerator.device)
-
-
-class _EvalLoader:
-    """A prepared evaluation loader: all of it, on every member (see the module's docstring)."""
-
-    def __init__(self, loader: Any, device: torch.device) -> None:
-        self._loader, self._device = loader, device
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self._loader:
-            yield _to(batch, self._device)
-
-
-class _Optimizer:
-    """The prepared optimizer: ``step()`` commits the step after its last batch, ``zero_grad()``
-    is left to the commit; everything else is the optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: "Accelerator") -> None:
-        self.optimizer, self._accelerator = optimizer, accelerator
-
-    def step(self, closure: Any = None) -> None:
-        if closure is not None:
-            raise _refuse("optimizer.step(closure)")
-        self._accelerator._loop.optimizer_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing: the commit zeroes the gradients after the optimizer step."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-
-class _Scheduler:
-    """The prepared scheduler: the commit steps it, once per committed step."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing: the commit steps the scheduler."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
 class Accelerator:
@@ -183,37 +121,28 @@ class Accelerator:
             raise _refuse("several schedulers")
         model = models[0].to(self.device)
         train = loaders[0]
-        self._check_loader(train)
+        if train.batch_size is None:
+            raise _refuse("a batch sampler (unbroken plans the samples of each step: give the DataLoader a batch_size)")
         micro = train.batch_size
         global_batch = self._global_batch_size or micro * self.gradient_accumulation_steps
-        steps_per_epoch = len(train.dataset) // global_batch
-        if steps_per_epoch < 1:
-            raise ConfigError(f"the training data set holds {len(train.dataset)} samples, fewer than one step's global batch"
-                              f" of {global_batch}")
+        steps_per_epoch = plan_steps(train, global_batch)
         total = self._max_steps if self._max_steps is not None else steps_per_epoch * self._num_epochs
         self._loop = DrivenLoop(
             total, model=model, optimizer=optimizers[0], dataset=train.dataset, global_batch_size=global_batch,
             micro_batch_size=micro, seed=self._seed, scheduler=schedulers[0] if schedulers else None,
-            # torch's default is unbroken's too, which indexes a TensorDataset in one go
-            collate_fn=None if train.collate_fn is torch.utils.data.default_collate else train.collate_fn,
+            collate_fn=default_collate_or(train),
         )
         prepared: dict[int, Any] = {
             id(model): model,
-            id(optimizers[0]): _Optimizer(optimizers[0], self),
-            id(train): _Loader(self, steps_per_epoch, math.ceil(global_batch / micro)),
+            id(optimizers[0]): CommittingOptimizer(optimizers[0], lambda: self._loop),
+            id(train): TrainingBatches(self._loop, steps_per_epoch, math.ceil(global_batch / micro), self.device),
         }
         for loader in loaders[1:]:
-            prepared[id(loader)] = _EvalLoader(loader, self.device)
+            prepared[id(loader)] = EvaluationBatches(loader, self.device)
         for scheduler in schedulers:
-            prepared[id(scheduler)] = _Scheduler(scheduler)
+            prepared[id(scheduler)] = CommittedScheduler(scheduler)
         out = tuple(prepared.get(id(o), o) for o in objects)
         return out[0] if len(out) == 1 else out
-
-    @staticmethod
-    def _check_loader(loader: torch.utils.data.DataLoader) -> None:
-        if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_size is None:
-            raise _refuse("an IterableDataset or a batch sampler (unbroken plans the samples of each step: give the"
-                          " DataLoader a map-style data set and a batch_size)")
 
     @property
     def job(self) -> Any:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from unbroken.errors import LoopMisuse
+from unbroken.errors import ConfigError, LoopMisuse
 from unbroken.runtime import Job
 from unbroken.step import Step
 
@@ -115,3 +115,95 @@ class DrivenLoop:
             if sys.exc_info()[0] is not None or ExitGuard.crashed:
                 self.job._left_on_error = True
             self._steps.close()
+
+
+# -- what a framework's prepare/setup returns ---------------------------------------------------
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of ``batch`` on ``device``."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+class TrainingBatches:
+    """The prepared training loader: this member's micro-batches of each step, on ``device``, one
+    epoch (``steps_per_epoch`` steps) per pass; ``len()`` is the batches of an epoch as a single
+    process sees them."""
+
+    def __init__(self, loop: DrivenLoop, steps_per_epoch: int, micro_per_step: int, device: torch.device) -> None:
+        self._loop, self._device = loop, device
+        self.steps_per_epoch = steps_per_epoch
+        self._len = steps_per_epoch * micro_per_step
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._loop.batches(self.steps_per_epoch):
+            yield to_device(batch, self._device)
+
+
+class EvaluationBatches:
+    """A prepared evaluation loader: all of it, on every member (no sharding, so the result is
+    right whoever is lost, and a metric needs no gathering)."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self._loader, self._device = loader, device
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self._loader:
+            yield to_device(batch, self._device)
+
+
+class CommittingOptimizer:
+    """The prepared optimizer: ``step()`` commits the step after this member's last batch of it
+    (before, nothing: gradients accumulate); ``zero_grad()`` is the commit's; the rest is the optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loop: Callable[[], DrivenLoop]) -> None:
+        self.optimizer, self._loop = optimizer, loop
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise LoopMisuse("optimizer.step(closure) cannot be redone after a lost worker: call step() without a closure")
+        self._loop().optimizer_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the commit zeroes the gradients after the optimizer step."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class CommittedScheduler:
+    """The prepared scheduler: the commit steps it, once per committed step."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the commit steps the scheduler."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def plan_steps(loader: torch.utils.data.DataLoader, global_batch: int) -> int:
+    """Steps per epoch of a map-style training loader at ``global_batch`` samples per step."""
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_size is None:
+        raise ConfigError("a training loader with an IterableDataset or a batch sampler cannot be planned: unbroken plans"
+                          " the samples of each step; give the DataLoader a map-style data set and a batch_size")
+    steps = len(loader.dataset) // global_batch
+    if steps < 1:
+        raise ConfigError(f"the training data set holds {len(loader.dataset)} samples, fewer than one step's global batch of {global_batch}")
+    return steps
+
+
+def default_collate_or(loader: torch.utils.data.DataLoader) -> Any:
+    """The loader's collate function, or None for torch's default (unbroken's own, which indexes
+    a TensorDataset in one go)."""
+    return None if loader.collate_fn is torch.utils.data.default_collate else loader.collate_fn
