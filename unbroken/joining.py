@@ -121,8 +121,10 @@ class Joiner:
             self.heartbeat.busy = previous
 
     def _blocked(self, what: str | None) -> None:
-        if what is not None:
-            self.job._ticks += 1  # entering a collective is progress
+        # Entering a collective is progress, and so is leaving one: a member whose long wait (a
+        # leader's evaluation) just ended is no longer marked blocked, and without the tick the
+        # coordinator would count its idleness from before the wait and fence it at once.
+        self.job._ticks += 1
         if self.heartbeat is not None:
             self.heartbeat.blocked_on = what
 

@@ -762,3 +762,26 @@ def test_with_a_token_a_generations_store_keys_cannot_be_named_without_it():
     assert first.prefix == f"unbroken/{key_tag('s3cret', 'gen1')}gen1/" and len(first.tag) == 33
     assert first.tag != second.tag  # another generation: other keys
     assert formed("other")[0].tag != first.tag  # another token: other keys
+
+
+def test_a_member_whose_long_wait_just_ended_is_not_fenced_for_the_wait():
+    """A worker waits 30 s for the leader's evaluation (``job.on_leader``), marked blocked; when the
+    result comes its mark goes, and its next heartbeat must not read as 30 s without progress
+    (CI: a waiter was fenced the moment the evaluation ended). The progress counter is the one
+    the worker's joiner keeps (``Joiner._blocked`` ticks on entering and on leaving a wait)."""
+    from types import SimpleNamespace
+
+    from unbroken.joining import Joiner
+
+    m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
+    waiter = Joiner.__new__(Joiner)
+    waiter.job, waiter.heartbeat = SimpleNamespace(_ticks=5), None
+    waiter._blocked("g1:3:waiting for the leader's evaluate")
+    for t in range(0, 31):
+        m.heartbeat("a", 5, float(t), busy="running evaluate for every member", progress=1)  # the leader evaluates
+        m.heartbeat("b", 5, float(t), blocked_on="g1:3:waiting for the leader's evaluate", progress=waiter.job._ticks)
+        m.heartbeat("c", 5, float(t), blocked_on="g1:3:waiting for the leader's evaluate", progress=7)
+        assert m.expire(float(t)) == []
+    waiter._blocked(None)  # the result came
+    m.heartbeat("b", 5, 31.0, blocked_on=None, progress=waiter.job._ticks)
+    assert m.expire(31.0) == [] and m.members["b"].state is MemberState.ACTIVE
