@@ -47,8 +47,10 @@ from unbroken.integrations.driven_loop import (
     DrivenLoop,
     EvaluationBatches,
     TrainingBatches,
+    UnsupportedFeature,
     default_collate_or,
     plan_steps,
+    refuse,
 )
 
 REFUSED = {
@@ -63,13 +65,8 @@ REFUSED = {
 """Accelerator arguments that cannot keep unbroken's guarantees -> what to do instead."""
 
 
-class UnsupportedFeature(ConfigError):
-    """An Accelerate feature that unbroken cannot keep its guarantees with; the message names it."""
-
-
 def _refuse(feature: str) -> UnsupportedFeature:
-    return UnsupportedFeature(f"unbroken's Accelerator does not support {feature}: it would train a different model than a"
-                              " single process, or not survive a lost worker (see docs/guide/accelerate.md)")
+    return refuse("unbroken's Accelerator", feature, "docs/guide/accelerate.md")
 
 
 class Accelerator:

@@ -24,6 +24,16 @@ from unbroken.runtime import Job
 from unbroken.step import Step
 
 
+class UnsupportedFeature(ConfigError):
+    """A framework feature that unbroken cannot keep its guarantees with; the message names it."""
+
+
+def refuse(who: str, feature: str, guide: str) -> UnsupportedFeature:
+    """The error for ``feature`` of ``who`` (unbroken's Accelerator, Fabric, UnbrokenStrategy)."""
+    return UnsupportedFeature(f"{who} does not support {feature}: it would train a different model than a single process,"
+                              f" or not survive a lost worker (see {guide})")
+
+
 class DrivenLoop:
     """A :class:`~unbroken.Job` whose steps a framework's loop drives (see the module's docstring).
 

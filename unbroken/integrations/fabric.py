@@ -43,18 +43,15 @@ from unbroken.integrations.driven_loop import (
     DrivenLoop,
     EvaluationBatches,
     TrainingBatches,
+    UnsupportedFeature,
     default_collate_or,
     plan_steps,
+    refuse,
 )
 
 
-class UnsupportedFeature(ConfigError):
-    """A Fabric feature that unbroken cannot keep its guarantees with; the message names it."""
-
-
 def _refuse(feature: str) -> UnsupportedFeature:
-    return UnsupportedFeature(f"unbroken's Fabric does not support {feature}: it would train a different model than a single"
-                              " process, or not survive a lost worker (see docs/guide/lightning.md)")
+    return refuse("unbroken's Fabric", feature, "docs/guide/lightning.md")
 
 
 class Fabric:

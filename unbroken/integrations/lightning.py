@@ -40,16 +40,11 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError(f"unbroken.integrations.lightning needs PyTorch Lightning: pip install 'unbroken[lightning]' ({exc})") from None
 
-from unbroken.integrations.driven_loop import DrivenLoop
-
-
-class UnsupportedFeature(ConfigError):
-    """A Lightning feature that unbroken cannot keep its guarantees with; the message names it."""
+from unbroken.integrations.driven_loop import DrivenLoop, UnsupportedFeature, refuse
 
 
 def _refuse(feature: str) -> UnsupportedFeature:
-    return UnsupportedFeature(f"UnbrokenStrategy does not support {feature}: it would train a different model than a single"
-                              " process, or not survive a lost worker (see docs/guide/lightning.md)")
+    return refuse("UnbrokenStrategy", feature, "docs/guide/lightning.md")
 
 
 class _Token:
