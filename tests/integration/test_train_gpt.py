@@ -33,7 +33,7 @@ def test_the_gpt_example_under_kills_trains_the_single_process_model(tmp_path):
     run_dir = str(tmp_path / "run")
     out = str(tmp_path / "gpt.pt")
     run = harness.unbroken(
-        run_dir, "--nproc-per-node", "2", "--chaos", "kill@allreduce,rank=1,step=7;kill@step,rank=0,step=16",
+        run_dir, "--nproc-per-node", "2", "--record-samples", "--chaos", "kill@allreduce,rank=1,step=7;kill@step,rank=0,step=16",
         GPT, "--steps", "24", *SMALL, "--data-dir", str(tmp_path / "data"), "--out", out, timeout=300,
     )
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -43,6 +43,7 @@ def test_the_gpt_example_under_kills_trains_the_single_process_model(tmp_path):
     ours = torch.load(out, weights_only=True)
     assert harness.max_relative_difference(ours, single) < 1e-8
     assert os.path.exists(out + ".best"), "the leader saved the best model through on_leader"
+    harness.check_exactly_once(run_dir, 24, 8)  # --batch-size 8
 
 
 def test_early_stop_by_break_ends_every_worker_with_exit_0(tmp_path):

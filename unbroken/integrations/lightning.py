@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from unbroken.errors import ConfigError
+from unbroken.errors import ConfigError, UnbrokenError
 
 try:
     import lightning.pytorch as pl
@@ -214,6 +214,11 @@ class UnbrokenStrategy(SingleDeviceStrategy):
             result = self.precision_plugin._wrap_closure(model, optimizer, closure)
             if loop.step is None:  # the job ended before this step (see training_step)
                 return result
+            # Lightning's step counter is a copy of the job's: they agree before anything commits
+            trainer = self.lightning_module.trainer
+            if trainer.global_step != loop.step.index:
+                raise UnbrokenError(f"Lightning's global_step {trainer.global_step} and unbroken's step {loop.step.index}"
+                                    " disagree: refusing to commit (a bug in UnbrokenStrategy; please report it)")
             if loop.step.commit():
                 loop.after_commit()
                 if loop.finished:
