@@ -272,7 +272,7 @@ class Job:
         ``fn`` the survivors re-form and the new leader runs it again; if ``fn`` raises, the
         leader raises the error and every other member :class:`~unbroken.errors.LeaderCallFailed`
         naming it. In a single process it is ``fn(*args, **kwargs)``."""
-        if self._joiner.group is None and not self.distributed:
+        if not self.distributed:
             return fn(*args, **kwargs)
         return self._leader_calls.run(fn, args, kwargs)
 

@@ -321,23 +321,19 @@ class Step:
                 self.failed, self.error = True, GenerationFailed(reason if reason.startswith("step ") else f"step {self.index} not committed: {reason}")
                 self._discard()
                 return False
-        job._committing = True
+        job._committing = True  # the optimizer's step and zero_grad are this method's to call
         try:
             if job.scaler is None:
                 job.optimizer.step()
                 stepped = True
             else:
                 stepped = mixed_precision.step(job.scaler, job.optimizer, job._device)
-        finally:
-            job._committing = False
-        self.skipped = not stepped
-        if job.scheduler is not None:
-            job.scheduler.step()
-        job._committing = True
-        try:
+            if job.scheduler is not None:
+                job.scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
         finally:
             job._committing = False
+        self.skipped = not stepped
         job._committed(self)
         self.committed = True
         return True
