@@ -202,6 +202,12 @@ class Heartbeat:
         self.progress: Callable[[], int] = lambda: 0
         """Reads the member's progress counter; sent with every heartbeat."""
         self.view: dict[str, Any] = {}
+        self.answered = time.monotonic()
+        """When (monotonic) the request whose reply :attr:`view` holds was sent: the member's lease
+        counts from there. It moves only after the view it vouches for is stored, so that a reader
+        that sees a fresh ``answered`` (read first) also sees the view that came with it: a lease
+        renewed by a reply whose news (a death verdict, a newer generation) is not yet read would
+        let a member cut off for seconds commit a step the others have redone (seen in CI)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-heartbeat", daemon=True)
 
@@ -239,9 +245,12 @@ class Heartbeat:
                 log.info("dropped a heartbeat reply %.1f s old", time.monotonic() - sent)
                 continue
             hold = self.interval
-            if view != self.view:
+            changed = view != self.view
+            if changed:
                 self.view = view
                 self.on_change(view)
+            self.answered = max(self.answered, sent)  # after the view is taken: see `answered`
+            if changed:
                 # News reaches every member at once (a formation, a verdict), and each polls
                 # again at once: held for equal times, their polls would come back in one burst
                 # every interval ever after. A random hold for the next one spreads them out.

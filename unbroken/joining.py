@@ -58,6 +58,7 @@ class Joiner:
         self._incarnation: str | None = None  # of the coordinator that formed the current generation
         self._preflight_cache: dict[str, Any] | None = None
         self._relayed = 0  # seq of the last generation process 0 of this replica group relayed
+        self._join_answered = float("-inf")  # when the newest answered join was sent (a lease of its own)
 
     def _grouped(self) -> Any:
         """This process's replica group when it has more than one process, else None."""
@@ -176,9 +177,13 @@ class Joiner:
         return bool(view.get("reconfigure")) and view.get("generation") == self.job.generation
 
     def _silence(self) -> float:
-        """Seconds since the sending of the newest request that the coordinator answered (0 in
-        processes 1..K-1 of a replica group, whose watchdog judges process 0's silence)."""
-        return time.monotonic() - self.client.last_ok if self.client else 0.0
+        """Seconds since the sending of the newest heartbeat (or join) whose reply this member has
+        taken in (0 in processes 1..K-1 of a replica group, whose watchdog judges process 0's
+        silence). Other answered requests (a roster's) renew nothing: their replies carry no
+        verdict, and a lease renewed without the news would let a stale view commit."""
+        if self.heartbeat is None:
+            return 0.0
+        return time.monotonic() - max(self.heartbeat.answered, self._join_answered)
 
     def abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
         """Why generation ``number`` no longer holds for this member, or None if it does.
@@ -186,9 +191,9 @@ class Joiner:
         A lease that ran out forbids a commit (``for_commit``) but ends the generation only
         ``coordinator_grace`` later: a stalled coordinator has declared nobody dead meanwhile,
         and a member that was declared dead hears so as soon as the coordinator answers."""
-        view = self.view
         settings = self.job.settings
-        silent = self._silence()
+        silent = self._silence()  # before the view: a lease this fresh comes with a view at least as new
+        view = self.view
         if silent > settings.lease + settings.coordinator_grace or (for_commit and silent > settings.lease):
             return f"no reply from the coordinator for {silent:.1f} s (lease {settings.lease:.1f} s)"
         if view.get("state") == "dead":
@@ -304,8 +309,9 @@ class Joiner:
 
     def _ask_to_join(self) -> dict[str, Any]:
         job = self.job
+        sent = time.monotonic()
         try:
-            return self.client.post(
+            reply = self.client.post(
                 "/v1/join",
                 read_timeout=30.0,
                 member=job.member_id,

@@ -140,3 +140,31 @@ def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits
     # its generation broke (it is about to join): the next poll waits that random part first
     assert low <= t3 - t2 <= high + 0.2 and hold3 == interval
     assert t4 - t3 < low and hold4 == interval  # the view did not change again
+
+
+def test_the_heartbeat_renews_the_lease_only_after_the_view_that_came_with_it_is_taken():
+    """``answered`` (the lease) moves after ``view``: a reader that sees the renewed lease sees
+    the news that came with it; a renewed lease with the old view let a cut-off member commit."""
+    first = {"generation": 1, "state": "active"}
+    news = {"generation": 2, "state": "dead"}
+    handler = type("Handler", (_ScriptedCoordinator,), {"script": [first, news], "requests": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen = []
+    beat = Heartbeat(CoordinatorClient(f"127.0.0.1:{server.server_address[1]}", timeout=5), "a", interval=0.05,
+                     on_change=lambda view: seen.append((view, beat.answered)))
+    started = beat.answered
+    beat.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        beat.stop()
+        server.shutdown()
+        server.server_close()
+    assert [view for view, _ in seen] == [first, news]
+    # when each view was taken, the lease had not yet moved to its request
+    (_, before_first), (_, before_news) = seen
+    assert before_first == started and before_first < before_news
+    assert beat.answered > before_news

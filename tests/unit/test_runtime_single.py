@@ -346,7 +346,9 @@ def test_a_malformed_numeric_variable_is_a_config_error_naming_the_variable(monk
         RuntimeSettings.from_env()
 
 
-def _job_with_a_fake_client(**settings):
+def _job_with_a_fake_heartbeat(**settings):
+    """A job whose coordinator is a heartbeat the test drives: ``answered`` (when the request
+    whose reply is ``view`` was sent) and ``view``; and a client whose other requests answer."""
     import time as _time
 
     from unbroken.runtime import Job, RuntimeSettings
@@ -357,23 +359,28 @@ def _job_with_a_fake_client(**settings):
     job = Job(model, torch.optim.SGD(model.parameters(), lr=0.1), data, global_batch_size=4,
               settings=RuntimeSettings(coordinator="127.0.0.1:1", **settings))
 
+    class Heartbeat:
+        answered = _time.monotonic()
+        view: dict = {"generation": 1, "state": "active"}
+
     class Client:
         last_ok = _time.monotonic()
 
+    job._joiner.heartbeat = Heartbeat()
     job._client = Client()
-    return job, Client
+    return job, job._joiner.heartbeat
 
 
 def test_a_member_past_its_lease_may_not_commit_and_past_its_grace_abandons_its_generation():
     import time as _time
 
-    job, client = _job_with_a_fake_client(lease=2.0, coordinator_grace=3.0)
+    job, heartbeat = _job_with_a_fake_heartbeat(lease=2.0, coordinator_grace=3.0)
     assert job._abandon_reason(1) is None
-    client.last_ok = _time.monotonic() - 2.5
+    heartbeat.answered = _time.monotonic() - 2.5
     assert job._abandon_reason(1) is None  # within the grace: waits go on
     reason = job._abandon_reason(1, for_commit=True)
     assert reason and "lease 2.0 s" in reason  # but no commit
-    client.last_ok = _time.monotonic() - 5.5
+    heartbeat.answered = _time.monotonic() - 5.5
     reason = job._abandon_reason(1)
     assert reason and "lease 2.0 s" in reason
 
@@ -382,18 +389,41 @@ def test_a_commit_past_the_lease_waits_for_the_coordinator_to_answer_again():
     import threading
     import time as _time
 
-    job, client = _job_with_a_fake_client(lease=2.0, coordinator_grace=3.0)
-    client.last_ok = _time.monotonic() - 2.5
-    answered = threading.Timer(0.3, lambda: setattr(client, "last_ok", _time.monotonic()))
+    job, heartbeat = _job_with_a_fake_heartbeat(lease=2.0, coordinator_grace=3.0)
+    heartbeat.answered = _time.monotonic() - 2.5
+    answered = threading.Timer(0.3, lambda: setattr(heartbeat, "answered", _time.monotonic()))
     answered.start()
     started = _time.monotonic()
     assert job._joiner.commit_reason(1) is None
     assert _time.monotonic() - started >= 0.25
-    client.last_ok = _time.monotonic() - 4.8  # never answers: gives up at the end of the grace
+    heartbeat.answered = _time.monotonic() - 4.8  # never answers: gives up at the end of the grace
     started = _time.monotonic()
     reason = job._joiner.commit_reason(1)
     assert reason and "no reply from the coordinator" in reason
     assert 0.1 < _time.monotonic() - started < 2.0
+
+
+def test_a_member_holding_its_commit_through_a_cut_takes_the_news_that_renews_its_lease():
+    """A member cut off mid-step holds its commit past its lease; when the network returns, an
+    answered request that carries no news (a roster's) must not renew the lease, and the heartbeat
+    that does renew it brings the newer generation with it: the step is not committed (seen in CI:
+    a cut-off leader committed step 4 of generation 2 after the others had redone it in 3)."""
+    import threading
+    import time as _time
+
+    job, heartbeat = _job_with_a_fake_heartbeat(lease=2.0, coordinator_grace=3.0)
+    heartbeat.answered = _time.monotonic() - 2.5
+    client = job._client
+
+    def network_back():
+        client.last_ok = _time.monotonic()  # some other request answered first
+        _time.sleep(0.3)
+        heartbeat.view = {"generation": 2, "state": "dead"}
+        heartbeat.answered = _time.monotonic()
+
+    threading.Timer(0.2, network_back).start()
+    reason = job._joiner.commit_reason(1)
+    assert reason is not None and ("dead" in reason or "generation 2" in reason), reason
 
 
 def test_an_optimizer_stepped_by_the_script_is_refused_on_the_first_step():
