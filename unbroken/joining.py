@@ -275,6 +275,8 @@ class Joiner:
             self._relayed = record.seq
             if record.value.get("status") == "finished":
                 return self._finished_without_us()
+            if record.value.get("status") == "exit":  # process 0 was refused: the group ends as one
+                self._refused(record.value["message"], int(record.value["code"]))
             if self._form(record.value):
                 return True
 
@@ -325,6 +327,10 @@ class Joiner:
             )
         except Unauthorized as exc:
             self._refused(f"unbroken: error: {job.member_id}: {exc}", EXIT_MISMATCH)
+        # The join's reply is the new generation's first view: the lease of the generation it forms
+        # counts from it (a heartbeat stuck in a long poll meanwhile renews it later)
+        self._join_answered = max(self._join_answered, sent)
+        return reply
 
     def _finished_without_us(self) -> bool:
         job = self.job
@@ -448,7 +454,14 @@ class Joiner:
 
     def _refused(self, message: str, code: int) -> None:
         """End this worker because the coordinator will not take it (wrong token, a mismatch, a
-        quarantined slot): say why, leave, and exit with ``code`` for the launcher to act on."""
+        quarantined slot): say why, leave, and exit with ``code`` for the launcher to act on.
+
+        Process 0 of a replica group first passes the refusal on, so that its K processes all exit
+        with ``code``: the launcher takes the group's status from whichever exits first, and a
+        process 1..K-1 that timed out waiting instead would have it restarted (seen in CI)."""
+        group = self._grouped()
+        if group is not None and group.leader:
+            self._relay({"status": "exit", "code": code, "message": message})
         print(message, file=sys.stderr, flush=True)
         self.job._stop(finished=False)
         raise SystemExit(code)
