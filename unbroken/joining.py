@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from unbroken import leader_mark
 from unbroken.errors import EXIT_MISMATCH, EXIT_RESTART_FRESH, GenerationFailed, Unauthorized, UnbrokenError
 from unbroken.lifetime import ExitGuard, die_with_launcher
 from unbroken.open_files import raise_limit
@@ -418,6 +419,8 @@ class Joiner:
             return False
         self.group = group
         job.member_index, job.member_count = group.rank, group.size
+        if job._group is None or job._group.leader:  # before the first step: the console shows the leader's lines
+            leader_mark.write(job.run_dir, job.member_id, number, group.rank)
         if job._default_group is not None:
             job._default_group.enter(group, reply["store_host"], int(reply["store_port"]))
         log.info("%s: generation %d, member %d of %d, at step %d", job.member_id, number, group.rank, group.size, job.next_step)

@@ -100,9 +100,10 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         self._exits: queue.Queue[tuple[Worker, subprocess.Popen, int, int]] = queue.Queue()
         self._stop_signal: int | None = None
         self._console_lock = threading.Lock()
-        self._leader: str | None = None
-        """The member at index 0 of the job's current generation, as last polled: the console
-        shows its output when it is one of this node's workers."""
+        self._leader: tuple[int, str] | None = None
+        """(generation, member at index 0) of the job's current generation, as last polled: the
+        console shows the leader's output when it is one of this node's workers (the workers' own
+        marks, :mod:`unbroken.leader_mark`, tell it sooner)."""
         self._error_exits: dict[int, int] = {}
         self._after_loop_failures: list[Worker] = []
         self._finished_at: float | None = None
@@ -190,7 +191,7 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         except UnbrokenError:
             return None
         members = status.get("generation_members") or []
-        self._leader = members[0] if members else None
+        self._leader = (int(status.get("generation") or 0), members[0]) if members else None
         if self._finished_at is None:
             if not status.get("finished"):
                 if status.get("failed") and not any(w.state is WorkerState.RUNNING for w in self.workers):

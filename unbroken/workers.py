@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
+from unbroken import leader_mark
 from unbroken.restarts import SlotBudget
 from unbroken.store_keys import key_tag
 
@@ -254,21 +255,29 @@ class WorkerProcesses:
             if index:
                 continue
             text = line.decode(errors="replace")
-            if self._console_rank() == worker.local_rank or _looks_like_an_error(text):
-                leader = getattr(self, "_leader", None)
+            leader = self._leader_member()
+            if self._console_rank(leader) == worker.local_rank or _looks_like_an_error(text):
                 tag = " leader" if leader is not None and worker.member_id == leader else ""
                 with self._console_lock:
                     sys.stdout.write(f"[w{worker.local_rank}{tag}] {text}")
                     sys.stdout.flush()
         logfile.close()
 
-    def _console_rank(self) -> int | None:
-        """The worker whose output the console shows: ``--tee``'s, else the job's leader when it
-        is one of this node's workers (the leader changes with generations), else the lowest
+    def _leader_member(self) -> str | None:
+        """The member that leads the newest generation known here: from the marks this node's
+        workers wrote when they formed it, or from the coordinator's last answer if that names a
+        newer generation (led from another node)."""
+        polled = getattr(self, "_leader", None)
+        marked = leader_mark.newest_leader(self.run_dir, [w.member_id for w in self.workers])
+        newest = max((x for x in (polled, marked) if x is not None), default=None, key=lambda x: x[0])
+        return newest[1] if newest is not None else None
+
+    def _console_rank(self, leader: str | None) -> int | None:
+        """The worker whose output the console shows: ``--tee``'s, else the job's ``leader`` when
+        it is one of this node's workers (the leader changes with generations), else the lowest
         local rank that runs."""
         if self.settings.tee is not None:
             return self.settings.tee
-        leader = getattr(self, "_leader", None)
         for w in self.workers:
             if leader is not None and w.member_id == leader and w.state is WorkerState.RUNNING:
                 return w.local_rank

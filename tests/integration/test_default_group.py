@@ -43,3 +43,5 @@ def test_metrics_synced_over_the_default_group_and_a_rank_zero_logger_follow_the
     printed = [int(m) for m in re.findall(r"^RZ step (\d+) mse \S+ rank 0$", logs, re.M)]
     assert sorted(printed) == list(range(STEPS)), printed  # once per step, on the member of rank 0
     assert "RZ step" in run.stdout, "the leader's rank-zero lines reach the console"
+    shown = [line for line in run.stdout.splitlines() if "RZ step" in line]
+    assert all(re.match(r"\[w\d leader\] RZ step", line) for line in shown), shown  # under the leader's tag
