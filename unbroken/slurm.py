@@ -9,7 +9,8 @@ here.
 
 from __future__ import annotations
 
-import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -31,37 +32,28 @@ class SlurmNode:
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Expand SLURM's compressed host list, e.g. ``gpu[01-03,07],login1`` into names."""
-    names: list[str] = []
-    for item in _split_top_level(text.strip()):
-        match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", item)
-        if match is None:
-            if "[" in item or "]" in item or not item:
-                raise ConfigError(f"cannot read the SLURM host list {text!r} (at {item!r})")
-            names.append(item)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for part in ranges.split(","):
-            low, dash, high = part.partition("-")
-            if not low.isdigit() or (dash and not high.isdigit()):
-                raise ConfigError(f"cannot read the SLURM host list {text!r} (at {part!r})")
-            width = len(low)
-            for number in range(int(low), int(high if dash else low) + 1):
-                names.append(f"{prefix}{number:0{width}d}{suffix}")
+    """Expand SLURM's compressed host list (``gpu[01-03,07],rack[1-2]-node[01-02]``) into names.
+
+    SLURM's own ``scontrol show hostnames`` does it where it is installed (every node of a SLURM
+    job); elsewhere python-hostlist, which reads the same grammar (brackets in several places of a
+    name included). Neither is written here by hand."""
+    text = text.strip()
+    if shutil.which("scontrol"):
+        try:
+            done = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            done = None
+        if done is not None and done.returncode == 0 and done.stdout.split():
+            return done.stdout.split()
+    import hostlist
+
+    try:
+        names = hostlist.expand_hostlist(text)
+    except hostlist.BadHostlist as exc:
+        raise ConfigError(f"cannot read the SLURM host list {text!r}: {exc}") from None
+    if not names:
+        raise ConfigError(f"the SLURM host list {text!r} names no host")
     return names
-
-
-def _split_top_level(text: str) -> list[str]:
-    items, depth, current = [], 0, ""
-    for char in text:
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-            continue
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        current += char
-    items.append(current)
-    return [i for i in items if i]
 
 
 def from_env(env: Mapping[str, str]) -> SlurmNode | None:

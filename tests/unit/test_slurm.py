@@ -15,14 +15,25 @@ from unbroken.errors import ConfigError
         ("gpu[01-02,07],login1", ["gpu01", "gpu02", "gpu07", "login1"]),
         ("a[8-11]-ib", ["a8-ib", "a9-ib", "a10-ib", "a11-ib"]),
         ("x[1],y[2-3]", ["x1", "y2", "y3"]),
+        ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
     ],
 )
-def test_slurm_host_lists_expand_to_node_names(text, names):
+def test_slurm_host_lists_expand_to_node_names(text, names, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: python-hostlist reads it
     assert slurm.expand_hostlist(text) == names
 
 
-@pytest.mark.parametrize("text", ["gpu[01-", "gpu[a-b]", "gpu]1["])
-def test_an_unreadable_host_list_is_a_clear_error(text):
+def test_scontrol_expands_the_host_list_where_slurm_is_installed(tmp_path, monkeypatch):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "from-scontrol-%s\\n" "$3"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert slurm.expand_hostlist("gpu[01-02]") == ["from-scontrol-gpu[01-02]"]
+
+
+@pytest.mark.parametrize("text", ["gpu[01-", "gpu[a-b]", "gpu]1[", " "])
+def test_an_unreadable_host_list_is_a_clear_error(text, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ConfigError, match="SLURM host list"):
         slurm.expand_hostlist(text)
 
