@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from benchmarks.compare import envs
+from unbroken.launch_settings import LaunchSettings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = 3
@@ -211,9 +212,14 @@ class System:
         return os.path.join(HERE, name)
 
 
+def _default_seconds(field: str) -> str:
+    """A ``LaunchSettings`` default of this checkout (the unbroken the benchmark installs), as ``3 s``."""
+    return f"{LaunchSettings.__dataclass_fields__[field].default:g} s"
+
+
 class Unbroken(System):
     name, label, env = "unbroken", "unbroken", "unbroken"
-    governs_hang = "heartbeat timeout (5 s default)"
+    governs_hang = f"heartbeat timeout ({_default_seconds('heartbeat_timeout')} default)"
 
     def launch(self, run: Run, steps: int) -> None:
         unbroken = os.path.join(os.path.dirname(envs.python(self.env)), "unbroken")
