@@ -36,6 +36,8 @@ class LaunchSettings:
 
     script: str
     script_args: tuple[str, ...] = ()
+    module: bool = False
+    """``script`` names a module, run as ``python -m script`` (torchrun's ``-m``)."""
     nproc_per_node: int = 1
     """Worker processes on this node."""
     group_size: int = 1
@@ -158,7 +160,9 @@ class LaunchSettings:
         if self.tee is not None and not 0 <= self.tee < self.slots:
             what = "local rank" if self.group_size == 1 else "slot (replica group)"
             raise ConfigError(f"--tee must name a {what} in 0..{self.slots - 1}, got {self.tee}")
-        if not os.path.isfile(self.script):
+        if self.module:
+            _check_module(self.script)
+        elif not os.path.isfile(self.script):
             raise ConfigError(f"training script not found: {self.script!r}")
         from unbroken.devices import check_backend_available
 
@@ -193,3 +197,20 @@ class LaunchSettings:
             max_backoff=self.max_restart_backoff,
             cooloff=self.quarantine_cooloff,
         )
+
+
+def _check_module(name: str) -> None:
+    """Refuse ``-m NAME`` when the workers could not import it (found from the current directory,
+    as ``python -m`` finds it), before any worker starts and fails."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.pop(0)
+    if not found:
+        raise ConfigError(f"-m {name}: no module of that name can be imported from {os.getcwd()}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from unbroken import leader_mark
+from unbroken.console_lines import for_console, looks_like_an_error
 from unbroken.restarts import SlotBudget
 from unbroken.store_keys import key_tag
 
@@ -83,15 +83,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-_ERROR_LINE = re.compile(r"^(Traceback \(most recent call last\)|([a-z_]\w*\.)*[A-Z]\w*(Error|Exception|Misuse|Failed|Divergence)\b|unbroken: error)")
-
-
-def _looks_like_an_error(line: str) -> bool:
-    """A line the console shows from any worker, whichever worker's output it follows: the first
-    and the last line of a traceback, and unbroken's own errors."""
-    return bool(_ERROR_LINE.match(line))
 
 
 class WorkerProcesses:
@@ -168,7 +159,7 @@ class WorkerProcesses:
                 group = {"start_new_session": True} if k == 1 else {"process_group": procs[0].pid if j else 0}
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, s.script, *s.script_args],
+                        [sys.executable, *(["-m"] if s.module else []), s.script, *s.script_args],
                         env=env_j,
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
@@ -256,10 +247,11 @@ class WorkerProcesses:
                 continue
             text = line.decode(errors="replace")
             leader = self._leader_member()
-            if self._console_rank(leader) == worker.local_rank or _looks_like_an_error(text):
+            if self._console_rank(leader) == worker.local_rank or looks_like_an_error(text):
                 tag = " leader" if leader is not None and worker.member_id == leader else ""
+                shown = for_console(text, f"workers/w{worker.local_rank}.log")
                 with self._console_lock:
-                    sys.stdout.write(f"[w{worker.local_rank}{tag}] {text}")
+                    sys.stdout.write(f"[w{worker.local_rank}{tag}] {shown}")
                     sys.stdout.flush()
         logfile.close()
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.integration import harness
+from tests.integration.conftest import GLOBAL
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,15 @@ def test_a_signal_to_the_launcher_stops_every_worker_and_exits_with_its_code(tmp
     assert leftovers == []
     summary = harness.Run(0, "", "", run_dir).summary()
     assert all(w["state"] == "stopped" for w in summary["workers"])
+
+
+def test_a_module_given_with_dash_m_trains_as_a_script_would(tmp_path):
+    """``unbroken run -m package.module`` (torchrun's ``-m``): the workers run ``python -m``, found
+    from the launcher's directory (the repository root, where the tests run)."""
+    module = os.path.relpath(harness.EXACT, os.getcwd())[: -len(".py")].replace(os.sep, ".")
+    run = harness.unbroken(str(tmp_path), "--nproc-per-node", "2", "--record-samples", "-m", module, "--steps", "4")
+    assert run.code == 0, run.stderr
+    harness.check_exactly_once(run.run_dir, 4, GLOBAL)
 
 
 def test_each_worker_writes_its_own_log_and_the_console_shows_one_worker(tmp_path):

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from unbroken import cli
+from unbroken import run_flags
 from unbroken.cli import build_parser, main
 from unbroken.errors import ConfigError
 from unbroken.launcher import LaunchSettings
@@ -55,6 +55,8 @@ RUN_FLAGS = [
     ["--leader-lease", "--leader_lease"],
     ["--ha"],
     ["--etcd-port", "--etcd_port"],
+    ["-m", "--module"],
+    ["--log-level"],
 ]
 
 
@@ -79,7 +81,8 @@ def script(tmp_path):
 
 def test_the_run_command_has_exactly_the_pinned_flags():
     run = _subparser("run")
-    assert [a.option_strings for a in run._actions if a.option_strings] == RUN_FLAGS
+    shown = [a.option_strings for a in run._actions if a.option_strings and a.help is not argparse.SUPPRESS]
+    assert shown == RUN_FLAGS
     assert [a.dest for a in run._actions if not a.option_strings] == ["script", "script_args"]
 
 
@@ -213,17 +216,17 @@ def test_the_coordinator_and_status_commands_parse_their_options():
 
 
 def test_positive_int_helper_names_the_flag():
-    with pytest.raises(cli.ConfigError, match="--x must be a positive integer, got 0"):
-        cli._positive_int("--x", "0")
-    assert cli._positive_int("--x", "12") == 12
+    with pytest.raises(ConfigError, match="--x must be a positive integer, got 0"):
+        run_flags._positive_int("--x", "0")
+    assert run_flags._positive_int("--x", "12") == 12
 
 
 def test_nnodes_in_torchrun_spelling_sets_the_member_bounds():
-    assert cli._nnodes("2:4", 3) == (6, 12)
-    assert cli._nnodes("2", 4) == (8, 8)
+    assert run_flags._nnodes("2:4", 3) == (6, 12)
+    assert run_flags._nnodes("2", 4) == (8, 8)
     for bad in ("0:2", "3:2", "x", "1:y"):
-        with pytest.raises(cli.ConfigError, match="--nnodes"):
-            cli._nnodes(bad, 1)
+        with pytest.raises(ConfigError, match="--nnodes"):
+            run_flags._nnodes(bad, 1)
 
 
 def test_the_scripts_own_flags_are_never_taken_for_abbreviations_of_ours(script):
@@ -258,7 +261,7 @@ def test_nnodes_counts_replica_groups_not_processes(launched, script):
 
 
 def test_under_srun_the_expected_members_count_replica_groups(script):
-    from unbroken.cli import launch_settings
+    from unbroken.run_flags import launch_settings
 
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu01"}
     args = build_parser().parse_args(["run", "--nproc-per-node", "4", "--group-size", "2", script])
@@ -330,3 +333,67 @@ def test_a_bad_rdzv_endpoint_is_a_config_error_naming_it(endpoint, message):
 def test_rdzv_endpoint_with_another_way_to_name_the_coordinator_is_refused():
     with pytest.raises(ConfigError, match="drop --coordinator"):
         _placed("--rdzv-endpoint", "h:1", "--coordinator", "h:2")
+
+
+@pytest.mark.parametrize("flag", ["--standalone", "--rdzv-backend=c10d", "--rdzv_id", "--node_rank=1", "--master-port", "--log-dir"])
+def test_a_torchrun_flag_unbroken_does_not_take_is_refused_with_ours(capsys, flag):
+    with pytest.raises(SystemExit) as exited:
+        main(["run", flag, "train.py"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    name = flag.split("=")[0]
+    assert f"{name} is torchrun's flag, not unbroken's: " in err and "Traceback" not in err
+    ours = {"--standalone": "starts its own coordinator", "--rdzv-backend": "--rdzv-endpoint", "--rdzv_id": "--job-id",
+            "--node_rank": "--node-name", "--master-port": "--rdzv-endpoint", "--log-dir": "--run-dir"}[name]
+    assert ours in err
+
+
+def test_after_the_script_a_torchrun_flag_is_the_scripts():
+    args = build_parser().parse_args(["run", "train.py", "--standalone", "--node_rank", "1"])
+    assert args.script_args == ["--standalone", "--node_rank", "1"]
+
+
+@pytest.mark.parametrize("word, gpus, cpus, expected", [("gpu", 4, 16, 4), ("auto", 4, 16, 4), ("auto", 0, 16, 16), ("cpu", 8, 16, 16)])
+def test_nproc_per_node_reads_torchruns_words(monkeypatch, word, gpus, cpus, expected):
+    from unbroken import torchrun_habits
+
+    monkeypatch.setattr(torchrun_habits, "_visible_gpus", lambda: gpus)
+    monkeypatch.setattr(torchrun_habits.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert torchrun_habits.nproc_per_node(word) == expected
+
+
+def test_nproc_per_node_gpu_without_a_gpu_says_so(capsys, monkeypatch):
+    from unbroken import torchrun_habits
+
+    monkeypatch.setattr(torchrun_habits, "_visible_gpus", lambda: 0)
+    assert main(["run", "--nproc-per-node", "gpu", "x.py"]) == 2
+    assert "--nproc-per-node gpu: this node has no visible GPU" in capsys.readouterr().err
+
+
+def test_the_log_level_may_follow_the_command():
+    assert build_parser().parse_args(["run", "--log-level", "INFO", "t.py"]).log_level == "INFO"
+    assert build_parser().parse_args(["--log-level", "DEBUG", "run", "t.py"]).log_level == "DEBUG"
+    assert build_parser().parse_args(["run", "t.py"]).log_level == "WARNING"
+    assert build_parser().parse_args(["coordinator", "--log-level", "INFO"]).log_level == "INFO"
+
+
+def test_a_module_is_run_with_dash_m_and_an_unknown_one_is_refused(capsys, monkeypatch, tmp_path):
+    (tmp_path / "mytrain.py").write_text("pass\n")
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["run", "-m", "mytrain", "--lr", "1"])
+    settings = run_flags.launch_settings(args, {})  # validated: the module is found from the current directory
+    assert (settings.module, settings.script, settings.script_args) == (True, "mytrain", ("--lr", "1"))
+    assert main(["run", "-m", "not_a_module_here"]) == 2
+    assert "-m not_a_module_here: no module of that name" in capsys.readouterr().err
+
+
+def test_the_coordinators_defaults_are_the_settings_own():
+    from unbroken.membership import MembershipSettings
+    from unbroken.replicated import LeadershipSettings
+
+    args = build_parser().parse_args(["coordinator"])
+    fields = MembershipSettings.__dataclass_fields__
+    for name in ("min_members", "max_members", "start_grace", "progress_timeout", "warmup_timeout", "busy_timeout",
+                 "quorum_timeout", "heartbeat_timeout"):
+        assert getattr(args, name) == fields[name].default, name
+    assert args.leader_lease == LeadershipSettings.__dataclass_fields__["lease"].default

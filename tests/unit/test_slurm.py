@@ -3,7 +3,8 @@
 import pytest
 
 from unbroken import slurm
-from unbroken.cli import build_parser, launch_settings
+from unbroken.cli import build_parser
+from unbroken.run_flags import launch_settings
 from unbroken.errors import ConfigError
 
 

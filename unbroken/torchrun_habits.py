@@ -1,0 +1,80 @@
+"""torchrun's spellings in ``unbroken run``: the ones it takes, and a hint for each it does not.
+
+Users arrive with torchrun command lines. ``--nproc-per-node gpu|cpu|auto`` and ``-m MODULE`` mean
+what they mean to torchrun; a flag of torchrun's that has no place here (its rendezvous, node
+ranks) is refused with the flag that does the job in unbroken, instead of argparse's bare
+"unrecognized arguments" or, worse, being read as the script's own flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from unbroken.errors import ConfigError
+
+NPROC_WORDS = ("gpu", "cpu", "auto")
+
+HINTS: dict[str, str] = {
+    "--standalone": "unbroken needs none: a single `unbroken run` starts its own coordinator on this node",
+    "--rdzv-backend": "unbroken brings its own coordinator: give every node the same --rdzv-endpoint HOST:PORT"
+    " (or --etcd for a replicated one)",
+    "--rdzv-id": "a single coordinator needs no job id; with --etcd it is --job-id",
+    "--rdzv-conf": "the coordinator's timings are flags of their own (--heartbeat-timeout, --start-grace,"
+    " --progress-timeout): see `unbroken run --help`",
+    "--node-rank": "nodes need no rank: each is named by --node-name (default: its host name), and the node whose"
+    " address --rdzv-endpoint names hosts the coordinator",
+    "--master-addr": "use --rdzv-endpoint HOST:PORT on every node",
+    "--master-port": "use --rdzv-endpoint HOST:PORT on every node",
+    "--log-dir": "use --run-dir: each worker's output goes to RUN_DIR/workers/w<rank>.log",
+    "--redirects": "each worker's output already goes to its own log (RUN_DIR/workers/w<rank>.log); --tee picks"
+    " the worker the console shows",
+    "--no-python": "unbroken runs Python scripts (or modules with -m); wrap another program in a Python script",
+    "--local-addr": "use --coordinator-advertise (with --etcd) or --node-name",
+}
+"""torchrun's flags that ``unbroken run`` does not take, with what to use instead."""
+
+
+class _Refuse(argparse.Action):
+    """Fails the parse with the hint for a torchrun flag this command does not take."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        flag = (option_string or "").replace("_", "-")
+        parser.error(f"{option_string} is torchrun's flag, not unbroken's: {HINTS[flag]}")
+
+
+def refuse_torchrun_flags(parser: argparse.ArgumentParser) -> None:
+    """Add torchrun's flags that have no place in ``unbroken run``, hidden from the help, each
+    failing the parse (status 2) with the hint of :data:`HINTS`; both spellings (``--a-b`` and
+    ``--a_b``), a value or none."""
+    for flag in HINTS:
+        names = [flag] + ([flag.replace("-", "_").replace("__", "--", 1)] if "-" in flag[2:] else [])
+        parser.add_argument(*names, nargs="?", action=_Refuse, help=argparse.SUPPRESS, dest=f"_torchrun_{flag[2:]}")
+
+
+def nproc_per_node(text: str) -> int:
+    """``--nproc-per-node`` as torchrun reads it: a positive count, ``gpu`` (one per visible GPU),
+    ``cpu`` (one per CPU this process may run on) or ``auto`` (``gpu`` where there is one, else
+    ``cpu``)."""
+    word = text.strip().lower()
+    if word in NPROC_WORDS:
+        gpus = _visible_gpus()
+        if word == "gpu" and gpus == 0:
+            raise ConfigError("--nproc-per-node gpu: this node has no visible GPU; give a number, or cpu")
+        if word == "gpu" or (word == "auto" and gpus > 0):
+            return gpus
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        value = int(word)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node must be a positive integer, gpu, cpu or auto, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"--nproc-per-node must be a positive integer, got {value}")
+    return value
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
