@@ -25,7 +25,7 @@ from benchmarks.common import nbytes, save_results  # noqa: E402
 
 import torch  # noqa: E402
 
-from unbroken.checkpoint import CheckpointStore, Saver, snapshot, young_daly_interval  # noqa: E402
+from unbroken.storage.checkpoint import CheckpointStore, Saver, snapshot, young_daly_interval  # noqa: E402
 
 
 def build():

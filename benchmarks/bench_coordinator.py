@@ -48,8 +48,8 @@ def serve(members: int, interval: float, timeout: float, lag_file: str) -> None:
     """Run a coordinator for ``members`` and record its event loop's lateness in ``lag_file``."""
     import logging
 
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
-    from unbroken.membership import MembershipSettings
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.membership import MembershipSettings
 
     logging.getLogger("unbroken").setLevel(logging.ERROR)  # the verdicts of the final teardown
     coordinator = Coordinator(
@@ -129,7 +129,7 @@ def news_hold() -> tuple[float, float]:
     """The hold of a worker's poll after a changed view (this tree's, whatever ``--before`` runs)."""
     if ROOT not in sys.path:
         sys.path.append(ROOT)
-    from unbroken.client import NEWS_HOLD
+    from unbroken.coordinator.client import NEWS_HOLD
 
     return NEWS_HOLD
 

@@ -28,7 +28,7 @@ from benchmarks.common import save_results, seconds  # noqa: E402
 
 from tests.integration import netns  # noqa: E402
 from tests.integration.harness import wait_for  # noqa: E402
-from unbroken.telemetry import read_events  # noqa: E402
+from unbroken.observe.events import read_events  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "train_bench.py")
 TRAIN = [SCRIPT, "--mode", "unbroken", "--steps", "1000000", "--width", "256"]

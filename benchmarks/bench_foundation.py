@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.common import save_results  # noqa: E402
 
 from tests.integration.harness import wait_for  # noqa: E402
-from unbroken.telemetry import read_events  # noqa: E402
+from unbroken.observe.events import read_events  # noqa: E402
 
 
 def _run(cmd: list[str], timeout: float, cwd: str) -> str:

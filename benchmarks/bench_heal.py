@@ -41,8 +41,8 @@ from benchmarks.common import exit_with_parent, nbytes, run_spawned, save_result
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from unbroken import healing  # noqa: E402
-from unbroken.group import GenerationGroup  # noqa: E402
+from unbroken.worker import healing  # noqa: E402
+from unbroken.worker.group import GenerationGroup  # noqa: E402
 
 GROUP_TIMEOUT = 600.0  # the receiver waits in a barrier while the sender measures (d) alone
 

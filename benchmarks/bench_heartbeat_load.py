@@ -12,7 +12,7 @@ their main thread is under one load at a time:
 - ``gc``: the worker holds tens of millions of Python objects and runs full garbage collections
   (the GIL is held throughout each one);
 - ``checkpoint``: the worker serialises and deserialises a 1 GiB state the way the checkpoint
-  writer and reader do (``unbroken.checkpoint.MemoryFile``);
+  writer and reader do (``unbroken.storage.checkpoint.MemoryFile``);
 - ``bytesio``: the same through ``io.BytesIO``, as they did before.
 
 The coordinator's view is sampled every 50 ms: the age of each member's newest heartbeat. The
@@ -40,7 +40,7 @@ WORKER = r'''
 import gc, io, os, sys, time
 import torch
 torch.set_num_threads(1)
-from unbroken.client import CoordinatorClient, Heartbeat
+from unbroken.coordinator.client import CoordinatorClient, Heartbeat
 member, load, seconds, objects = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 client = CoordinatorClient(os.environ["ADDRESS"], timeout=30)
 while client.post("/v1/join", member=member, step=0)["status"] != "formed":
@@ -58,7 +58,7 @@ elif load == "gc":
     while time.monotonic() < end:
         gc.collect()
 elif load in ("checkpoint", "bytesio"):
-    from unbroken.checkpoint import MemoryFile
+    from unbroken.storage.checkpoint import MemoryFile
     state = {"w": torch.randn(256 * 1024 * 1024)}  # 1 GiB of float32
     while time.monotonic() < end:
         if load == "bytesio":
@@ -81,9 +81,9 @@ def _hog() -> subprocess.Popen:
 
 
 def measure(load: str, members: int, seconds: float, objects: int) -> dict:
-    from unbroken.client import CoordinatorClient
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
-    from unbroken.membership import MembershipSettings
+    from unbroken.coordinator.client import CoordinatorClient
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.membership import MembershipSettings
 
     coordinator = Coordinator(CoordinatorSettings(), MembershipSettings(heartbeat_timeout=60, expected_members=members)).start_in_thread()
     address = f"127.0.0.1:{coordinator.port}"

@@ -18,7 +18,7 @@ operations that building a ``ProcessGroupGloo`` makes in torch 2.13, counted on 
   ``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1``, environment only): the records lose the pair
   identifiers and are read with ``multi_get``, 128 keys per call: 1 + ceil(N/128) operations
   per member, but still every record to every member (O(N^2) bytes) and N - 1 sockets each.
-- ``lazy + ring`` (unbroken now, :data:`unbroken.group.LAZY_CONNECT`): the Gloo device connects
+- ``lazy + ring`` (unbroken now, :data:`unbroken.worker.group.LAZY_CONNECT`): the Gloo device connects
   pairs on first use; each member writes its record (154 bytes) and connects its two ring
   neighbours (the pairs of Gloo's ring allreduce) before the group is handed over, reading
   their records: 5 operations per member, 5N per generation. A member that heals another

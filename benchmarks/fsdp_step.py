@@ -6,9 +6,9 @@
 Both modes build the same float32 MLP (``--in-features`` -> ``--hidden`` x ``--layers`` ->
 ``--out-features``, Tanh between, AdamW; seed 0 on every process), shard it with FSDP2
 ``fully_shard`` (each Linear, then the root) with gradient division off
-(:func:`unbroken.replica_groups.sum_gradients`), and train on the same synthetic data with the same
+(:func:`unbroken.replica_groups.sharding.sum_gradients`), and train on the same synthetic data with the same
 global batch, cut into the same per-process micro-batches
-(:func:`unbroken.replica_groups.process_micro_batches` of one :class:`~unbroken.data_plan.DataPlan`,
+(:func:`unbroken.replica_groups.sharding.process_micro_batches` of one :class:`~unbroken.data.data_plan.DataPlan`,
 seed 7). The loss of a micro-batch is the sum of its per-sample mean squared errors over the global
 batch size (``count=`` under unbroken, which divides by the global count after the allreduce).
 
@@ -85,7 +85,7 @@ def make_data(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    from unbroken.replica_groups import sum_gradients
+    from unbroken.replica_groups.sharding import sum_gradients
 
     for m in model:
         if isinstance(m, torch.nn.Linear):
@@ -144,8 +144,8 @@ def run_hsdp(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from unbroken.data_plan import DataPlan
-    from unbroken.replica_groups import process_micro_batches
+    from unbroken.data.data_plan import DataPlan
+    from unbroken.replica_groups.sharding import process_micro_batches
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -18,7 +18,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 
-from unbroken.data_plan import DataPlan  # noqa: E402
+from unbroken.data.data_plan import DataPlan  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["unbroken", "ddp"], required=True)

@@ -6,7 +6,7 @@ directory). Each group shards a float64 MLP with FSDP2 ``fully_shard`` over its 
 (``set_gradient_divide_factor(1.0)`` on every FSDP module) and no replicate dimension, so FSDP only
 reduce-scatters inside the group. Each micro-batch's loss is a sum over its samples divided by the
 global batch size G (DESIGN step 4). After backward, process j's local gradient shards
-(:func:`unbroken.replica_groups.local_gradient_shards`) are flattened and allreduced (sum) across
+(:func:`unbroken.replica_groups.sharding.local_gradient_shards`) are flattened and allreduced (sum) across
 the groups over a Gloo group of their own, one per shard index j, built over a ``PrefixStore`` as
 the runtime builds its generation groups. Then AdamW steps.
 
@@ -37,8 +37,8 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from unbroken.data_plan import DataPlan  # noqa: E402
-from unbroken.replica_groups import local_gradient_shards, local_state_shards, process_micro_batches, sum_gradients  # noqa: E402
+from unbroken.data.data_plan import DataPlan  # noqa: E402
+from unbroken.replica_groups.sharding import local_gradient_shards, local_state_shards, process_micro_batches, sum_gradients  # noqa: E402
 
 GROUPS, GROUP_SIZE = 2, 2
 WORLD = GROUPS * GROUP_SIZE

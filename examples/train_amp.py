@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import unbroken
-from unbroken.devices import local_device
+from unbroken.worker.devices import local_device
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)

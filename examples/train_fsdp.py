@@ -7,7 +7,7 @@ The loop is the plain data-parallel one with three differences:
 
 1. ``unbroken.group_mesh()`` before the model is built: the device mesh of this process's group.
 2. The model is sharded over that mesh with ``fully_shard`` (layers first, then the root), and
-   ``unbroken.replica_groups.sum_gradients(model)`` turns FSDP's gradient averaging into a sum:
+   ``unbroken.replica_groups.sharding.sum_gradients(model)`` turns FSDP's gradient averaging into a sum:
    unbroken weights each micro-batch by its share of the global batch, so the global-batch
    gradient is a plain sum over the processes and the groups.
 3. Each micro-batch's loss is passed as a *sum* with ``count=``, so that a process whose part of
@@ -26,7 +26,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 import unbroken
-from unbroken.replica_groups import sum_gradients
+from unbroken.replica_groups.sharding import sum_gradients
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--steps", type=int, default=60)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import unbroken
-from unbroken.shards import ShardedArrays
+from unbroken.data.shards import ShardedArrays
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "unbroken-shards-example"), help="where the shards are (made if missing)")

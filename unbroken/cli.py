@@ -10,22 +10,22 @@ import sys
 from typing import Sequence
 
 from unbroken.errors import UnbrokenError
-from unbroken.run_flags import add_run, launch_settings, log_level_flag
-from unbroken.slurm import DEFAULT_PORT
+from unbroken.launch.run_flags import add_run, launch_settings, log_level_flag
+from unbroken.launch.slurm import DEFAULT_PORT
 
 
 def _run(args: argparse.Namespace) -> int:
     import os
 
-    from unbroken.launcher import Launcher
+    from unbroken.launch.launcher import Launcher
 
     return Launcher(launch_settings(args, os.environ)).run()
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
-    from unbroken.membership import MembershipSettings
-    from unbroken.telemetry import EventLog
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.membership import MembershipSettings
+    from unbroken.observe.events import EventLog
 
     import os
 
@@ -65,13 +65,13 @@ def _leadership(args: argparse.Namespace):
     """A candidate's leadership when ``--etcd`` is given, else None (a coordinator on its own)."""
     if not args.etcd:
         return None
-    from unbroken.replicated import leadership_from_flags
+    from unbroken.coordinator.replicated import leadership_from_flags
 
     return leadership_from_flags(args.etcd, args.job_id, args.leader_lease)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from unbroken.client import CoordinatorClient
+    from unbroken.coordinator.client import CoordinatorClient
 
     import os
 
@@ -91,24 +91,24 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from unbroken import report
+    from unbroken.observe import report
 
     return report.main(args.run_dirs, as_json=args.json, png=args.png, no_png=args.no_png)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from unbroken import demo
+    from unbroken.launch import demo
 
     if args.log_level.upper() == "WARNING":  # the default: the console's own lines say what happens
-        logging.getLogger("unbroken.coordinator").setLevel(logging.ERROR)
+        logging.getLogger("unbroken.coordinator.server").setLevel(logging.ERROR)
     return demo.run(args.run_dir, demo.STEPS if args.steps is None else args.steps)
 
 
 def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     """``unbroken coordinator``: its defaults are the settings' own (membership, leadership), never
     copied here, so that the CLI and a coordinator made from Python cannot drift apart."""
-    from unbroken.membership import MembershipSettings
-    from unbroken.replicated import LeadershipSettings
+    from unbroken.coordinator.membership import MembershipSettings
+    from unbroken.coordinator.replicated import LeadershipSettings
 
     m, lead = MembershipSettings.__dataclass_fields__, LeadershipSettings.__dataclass_fields__
     c = sub.add_parser("coordinator", help="run a coordinator alone, for jobs that span several nodes")

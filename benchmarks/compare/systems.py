@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from benchmarks.compare import envs
-from unbroken.launch_settings import LaunchSettings
+from unbroken.launch.launch_settings import LaunchSettings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = 3

@@ -130,8 +130,8 @@ def _store():
 
 
 def _group(number, size, timeout, verdict=lambda: None, rank=0):
-    from unbroken.group import GenerationGroup, Transport
-    from unbroken.nccl import prepare_environment
+    from unbroken.worker.group import GenerationGroup, Transport
+    from unbroken.worker.nccl import prepare_environment
 
     prepare_environment(timeout)  # as the Job does before its first NCCL group
     members = ["absent"] * size
@@ -189,7 +189,7 @@ def nccl_missing_peer():
 
 @check("4 checkpoint stall of a 1 GiB GPU state")
 def stall():
-    from unbroken import checkpoint
+    from unbroken.storage import checkpoint
 
     state = {f"layer{i}": torch.randn(1 << 20, device="cuda") for i in range(256)}  # 256 x 4 MiB
     torch.cuda.synchronize()
@@ -300,7 +300,7 @@ def nccl_resume():
 
 @check("9 the overlapped reducer on the default and a side stream, against plain autograd")
 def reducer_streams():
-    from unbroken.gradients import GradientReducer
+    from unbroken.worker.gradients import GradientReducer
 
     store = _store()
     group = _group(9, 1, 30.0)
@@ -336,7 +336,7 @@ def missing_rank_zero():
 
 @check("11 an abort with collectives queued behind a long kernel")
 def abort_queued():
-    from unbroken import nccl
+    from unbroken.worker import nccl
 
     store = _store()
     group = _group(11, 1, 30.0)
@@ -358,7 +358,7 @@ def abort_queued():
 
 @check("12 twelve generations: GPU memory and threads stay flat")
 def generations():
-    from unbroken.group import Graveyard
+    from unbroken.worker.group import Graveyard
 
     store = _store()
     graveyard = Graveyard()

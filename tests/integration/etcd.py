@@ -14,7 +14,7 @@ import urllib.request
 from contextlib import contextmanager
 from typing import Iterator
 
-from unbroken.etcd_member import EtcdMember, MemberSpec
+from unbroken.launch.etcd_member import EtcdMember, MemberSpec
 
 
 def why_not_available() -> str | None:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration import harness
 from tests.integration.conftest import GLOBAL, STEPS
-from unbroken.checkpoint import CheckpointStore
+from unbroken.storage.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.integration import harness
 from tests.integration.conftest import GLOBAL
-from unbroken.checkpoint import CheckpointStore
+from unbroken.storage.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from tests.integration import harness
 from tests.integration.conftest import GLOBAL, STEPS
 from tests.integration.test_checkpoints import start_and_kill_all
-from unbroken.checkpoint import CheckpointStore
+from unbroken.storage.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.slow
 

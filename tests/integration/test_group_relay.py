@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.integration import harness
-from unbroken.group_relay import EXIT_PEER_SILENT
+from unbroken.replica_groups.group_relay import EXIT_PEER_SILENT
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def _worker(rank: int, port: int, prefix: str, stderr_path: str) -> None:
     torch.set_num_threads(1)
     fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
-    from unbroken.group_relay import GroupRelay, GroupWatchdog
+    from unbroken.replica_groups.group_relay import GroupRelay, GroupWatchdog
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
     relay = GroupRelay(store, rank, SIZE, prefix=prefix, peer_timeout=PEER_TIMEOUT_S, start_timeout=READY_TIMEOUT_S)

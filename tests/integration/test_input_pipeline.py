@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.integration import harness
-from unbroken.data_plan import DataPlan
+from unbroken.data.data_plan import DataPlan
 
 pytestmark = pytest.mark.slow
 

@@ -67,7 +67,7 @@ def test_a_first_step_three_times_the_progress_timeout_fences_nobody(tmp_path):
 
 
 def test_a_store_whose_writes_take_twice_the_collective_timeout_fences_nobody_and_finishes(tmp_path):
-    from unbroken.checkpoint import CheckpointStore
+    from unbroken.storage.checkpoint import CheckpointStore
 
     run_dir = str(tmp_path / "run")
     ckpt = str(tmp_path / "ckpt")

@@ -3,7 +3,7 @@ a peer SIGKILLed after the group is connected still fails the survivors' allredu
 (their sockets see it), and a peer that dies before connecting cannot keep the survivors past
 the coordinator's verdict.
 
-Each member is a process running :class:`unbroken.group.GenerationGroup` over a client of one
+Each member is a process running :class:`unbroken.worker.group.GenerationGroup` over a client of one
 TCPStore hosted by the test (as the coordinator hosts it); the "verdict" is a key the test sets.
 """
 
@@ -35,7 +35,7 @@ def _member(rank: int, size: int, port: int, scenario: str) -> None:
     import torch.distributed as dist
 
     from unbroken.errors import GenerationFailed
-    from unbroken.group import Graveyard, GenerationGroup
+    from unbroken.worker.group import Graveyard, GenerationGroup
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=30)

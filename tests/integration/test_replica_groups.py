@@ -188,7 +188,7 @@ def test_a_store_slower_than_the_collective_timeout_holds_up_no_group(tmp_path):
     # for it in its next allreduce until that timed out and the generation broke.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from unbroken.checkpoint import CheckpointStore
+    from unbroken.storage.checkpoint import CheckpointStore
 
     steps = 16
     reference = _reference(str(tmp_path / "single"), steps)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration import etcd
 from tests.needs import require
-from unbroken.replicated import EtcdGateway, Leadership, LeadershipSettings, NotLeader
+from unbroken.coordinator.replicated import EtcdGateway, Leadership, LeadershipSettings, NotLeader
 
 pytestmark = pytest.mark.slow
 
@@ -116,8 +116,8 @@ def test_a_leaders_validity_counts_from_the_ttl_etcd_granted(cluster):
 
 
 def test_a_failed_job_is_recorded_for_good_and_a_new_leader_keeps_it_failed(cluster):
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
-    from unbroken.membership import MembershipSettings
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.membership import MembershipSettings
 
     async def lead(name):
         leadership = Leadership(EtcdGateway(cluster.endpoints), LeadershipSettings("job5", lease=2.0), name)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.integration import harness
-from unbroken.data_plan import DataPlan
+from unbroken.data.data_plan import DataPlan
 
 pytestmark = pytest.mark.slow
 
@@ -77,8 +77,8 @@ def _worker(rank: int, world: int, groups: int, init: str, save: bool, ckpt: str
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from unbroken.replica_groups import local_gradient_shards, process_micro_batches, sum_gradients
-    from unbroken.sharded_checkpoint import TrainingState, load_sharded, save_sharded
+    from unbroken.replica_groups.sharding import local_gradient_shards, process_micro_batches, sum_gradients
+    from unbroken.storage.sharded_checkpoint import TrainingState, load_sharded, save_sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -146,7 +146,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_one_groups_shards_resume_in_other_group_counts_and_sizes_with_the_same_model(tmp_path):
     import torch.distributed.checkpoint  # noqa: F401  (the pytest process loads a plain model below)
-    from unbroken.sharded_checkpoint import TrainingState, load_sharded
+    from unbroken.storage.sharded_checkpoint import TrainingState, load_sharded
 
     torch.set_num_threads(1)
     ckpt = str(tmp_path / "ckpt")

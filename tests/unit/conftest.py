@@ -15,5 +15,5 @@ def launched(monkeypatch):
         def run(self):
             return 0
 
-    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+    monkeypatch.setattr("unbroken.launch.launcher.Launcher", FakeLauncher)
     return seen

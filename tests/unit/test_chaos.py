@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from unbroken import chaos
-from unbroken.chaos import KINDS, POINTS, Chaos, Fault, parse
+from unbroken.worker import chaos
+from unbroken.worker.chaos import KINDS, POINTS, Chaos, Fault, parse
 from unbroken.errors import ConfigError
-from unbroken.telemetry import read_events
+from unbroken.observe.events import read_events
 
 # -- parse -----------------------------------------------------------------------------------------
 

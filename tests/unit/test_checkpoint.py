@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from unbroken.checkpoint import (
+from unbroken.storage.checkpoint import (
     CheckpointCorrupt,
     CheckpointSettings,
     CheckpointStore,
@@ -265,7 +265,7 @@ def test_a_checkpoint_that_names_code_to_run_is_not_executed_on_load(tmp_path, c
 def test_a_memory_file_holds_what_torch_saves_byte_for_byte_and_loads_it_back():
     import io
 
-    from unbroken.checkpoint import MemoryFile
+    from unbroken.storage.checkpoint import MemoryFile
 
     state = {"w": torch.randn(300, 7), "b": torch.arange(5, dtype=torch.int16), "meta": {"step": 3, "names": ["a"]}}
     reference = io.BytesIO()

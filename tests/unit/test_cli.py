@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from unbroken import run_flags
+from unbroken.launch import run_flags
 from unbroken.cli import build_parser, main
 from unbroken.errors import ConfigError
-from unbroken.launcher import LaunchSettings
+from unbroken.launch.launcher import LaunchSettings
 
 # Changing this list changes the user-facing interface: do it deliberately, with the docs.
 RUN_FLAGS = [
@@ -171,7 +171,7 @@ def test_invalid_run_settings_exit_2_before_anything_starts(capsys, monkeypatch,
     def launcher_must_not_start(*args, **kwargs):
         raise AssertionError("the launcher was started")
 
-    monkeypatch.setattr("unbroken.launcher.Launcher", launcher_must_not_start)
+    monkeypatch.setattr("unbroken.launch.launcher.Launcher", launcher_must_not_start)
     assert main(["run", *flags, script]) == 2
     assert message in capsys.readouterr().err
 
@@ -261,7 +261,7 @@ def test_nnodes_counts_replica_groups_not_processes(launched, script):
 
 
 def test_under_srun_the_expected_members_count_replica_groups(script):
-    from unbroken.run_flags import launch_settings
+    from unbroken.launch.run_flags import launch_settings
 
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu01"}
     args = build_parser().parse_args(["run", "--nproc-per-node", "4", "--group-size", "2", script])
@@ -271,7 +271,7 @@ def test_under_srun_the_expected_members_count_replica_groups(script):
 def test_a_generated_token_can_be_passed_back_on_the_command_line(script):
     # A token the launcher makes is copied into other nodes' `--token TOKEN`; one starting with
     # "-" was taken by argparse for a flag (exit 2), one time in 64 with URL-safe tokens.
-    from unbroken.launcher import new_token
+    from unbroken.launch.launcher import new_token
 
     tokens = {new_token() for _ in range(2000)}
     assert len(tokens) == 2000 and min(map(len, tokens)) >= 32
@@ -282,7 +282,7 @@ def test_a_generated_token_can_be_passed_back_on_the_command_line(script):
 
 
 def _placed(*flags: str, warned: list | None = None):
-    from unbroken.placement import placement
+    from unbroken.launch.placement import placement
 
     args = build_parser().parse_args(["run", *flags, "train.py"])
     return placement(args, {}, 1, warn=(warned.append if warned is not None else None))
@@ -355,7 +355,7 @@ def test_after_the_script_a_torchrun_flag_is_the_scripts():
 
 @pytest.mark.parametrize("word, gpus, cpus, expected", [("gpu", 4, 16, 4), ("auto", 4, 16, 4), ("auto", 0, 16, 16), ("cpu", 8, 16, 16)])
 def test_nproc_per_node_reads_torchruns_words(monkeypatch, word, gpus, cpus, expected):
-    from unbroken import torchrun_habits
+    from unbroken.launch import torchrun_habits
 
     monkeypatch.setattr(torchrun_habits, "_visible_gpus", lambda: gpus)
     monkeypatch.setattr(torchrun_habits.os, "sched_getaffinity", lambda pid: set(range(cpus)))
@@ -363,7 +363,7 @@ def test_nproc_per_node_reads_torchruns_words(monkeypatch, word, gpus, cpus, exp
 
 
 def test_nproc_per_node_gpu_without_a_gpu_says_so(capsys, monkeypatch):
-    from unbroken import torchrun_habits
+    from unbroken.launch import torchrun_habits
 
     monkeypatch.setattr(torchrun_habits, "_visible_gpus", lambda: 0)
     assert main(["run", "--nproc-per-node", "gpu", "x.py"]) == 2
@@ -388,8 +388,8 @@ def test_a_module_is_run_with_dash_m_and_an_unknown_one_is_refused(capsys, monke
 
 
 def test_the_coordinators_defaults_are_the_settings_own():
-    from unbroken.membership import MembershipSettings
-    from unbroken.replicated import LeadershipSettings
+    from unbroken.coordinator.membership import MembershipSettings
+    from unbroken.coordinator.replicated import LeadershipSettings
 
     args = build_parser().parse_args(["coordinator"])
     fields = MembershipSettings.__dataclass_fields__

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from unbroken.client import CoordinatorClient, Heartbeat
+from unbroken.coordinator.client import CoordinatorClient, Heartbeat
 
 
 class _SlowCoordinator(http.server.BaseHTTPRequestHandler):
@@ -78,7 +78,7 @@ def test_a_heartbeat_reply_older_than_the_lease_is_dropped_not_taken_as_the_view
 
 
 def test_a_503_sends_the_client_to_the_leader_it_names_and_teaches_it_every_candidate():
-    from unbroken.client import CoordinatorClient
+    from unbroken.coordinator.client import CoordinatorClient
 
     client = CoordinatorClient("a:1")
     client._follow(b'{"leader": "b:2", "coordinators": ["b:2", "c:3"]}', ("a", 1))
@@ -112,7 +112,7 @@ class _ScriptedCoordinator(http.server.BaseHTTPRequestHandler):
 
 
 def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits_that_long_first():
-    from unbroken.client import NEWS_HOLD
+    from unbroken.coordinator.client import NEWS_HOLD
 
     interval = 0.4
     formed = {"generation": 1, "broken": False, "reconfigure": False}

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from unbroken.console import EventTail, ProgressView, RunState, _duration
-from unbroken.telemetry import EventLog
+from unbroken.observe.console import EventTail, ProgressView, RunState, _duration
+from unbroken.observe.events import EventLog
 
 T0 = 1_700_000_000.0
 

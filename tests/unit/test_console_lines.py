@@ -1,6 +1,6 @@
 """What the console shows of a worker's lines (the log keeps them as written)."""
 
-from unbroken.console_lines import for_console, looks_like_an_error
+from unbroken.observe.console_lines import for_console, looks_like_an_error
 
 GLOO = (
     "vm.w1.r0: generation 1 failed: step 6 not sent: the script's barrier failed: "

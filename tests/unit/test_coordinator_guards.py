@@ -8,10 +8,10 @@ import urllib.request
 
 import pytest
 
-from unbroken.client import CoordinatorClient
-from unbroken.coordinator import Coordinator, CoordinatorSettings
+from unbroken.coordinator.client import CoordinatorClient
+from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 from unbroken.errors import Unauthorized
-from unbroken.membership import MembershipSettings
+from unbroken.coordinator.membership import MembershipSettings
 
 PREFLIGHT = {"bucket_cap_mb": "25.0", "script": "train.py sha256 abc", "torch": "2.13.0"}
 

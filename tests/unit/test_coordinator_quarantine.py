@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from unbroken.client import CoordinatorClient
-from unbroken.coordinator import Coordinator, CoordinatorSettings
+from unbroken.coordinator.client import CoordinatorClient
+from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 from unbroken.errors import CoordinatorUnreachable
-from unbroken.membership import MembershipSettings
+from unbroken.coordinator.membership import MembershipSettings
 
 
 @pytest.fixture

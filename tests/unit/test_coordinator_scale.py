@@ -10,7 +10,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.membership import Membership, MembershipSettings, MemberState
+from unbroken.coordinator.membership import Membership, MembershipSettings, MemberState
 
 FAST = settings(max_examples=150, deadline=None)
 
@@ -125,7 +125,7 @@ class _Request:
 
 
 def _coordinator(**membership):
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 
     return Coordinator(CoordinatorSettings(hold=0.5), MembershipSettings(**membership))
 
@@ -176,7 +176,7 @@ def test_a_change_of_one_members_state_wakes_only_that_members_poll():
 
 def test_a_roster_fetches_single_ids_then_the_whole_list_once_and_names_unknown_ranks():
     from unbroken.errors import CoordinatorUnreachable
-    from unbroken.roster import Roster
+    from unbroken.coordinator.roster import Roster
 
     class Client:
         def __init__(self, members):
@@ -202,7 +202,7 @@ def test_a_roster_fetches_single_ids_then_the_whole_list_once_and_names_unknown_
 
 
 def test_a_change_that_concerns_every_poll_wakes_them_in_batches_between_which_the_loop_turns():
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 
     coordinator = Coordinator(CoordinatorSettings(hold=0.5, wake_batch=10), MembershipSettings(expected_members=2))
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.data_plan import DataPlan
+from unbroken.data.data_plan import DataPlan
 from unbroken.errors import ConfigError
 
 torch.set_num_threads(1)

@@ -10,7 +10,9 @@ import types
 
 import pytest
 
-from unbroken import chaos, demo
+from unbroken.worker import chaos
+
+from unbroken.launch import demo
 from unbroken.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(autouse=True)
 def _no_logging_setup(monkeypatch):
     monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)
-    coordinator_log = logging.getLogger("unbroken.coordinator")
+    coordinator_log = logging.getLogger("unbroken.coordinator.server")
     level = coordinator_log.level
     yield
     coordinator_log.setLevel(level)  # the demo quiets it
@@ -37,9 +39,9 @@ def launched(monkeypatch):
         def run(self):
             return seen.get("code", 0)
 
-    monkeypatch.setattr("unbroken.launcher.Launcher", FakeLauncher)
+    monkeypatch.setattr("unbroken.launch.launcher.Launcher", FakeLauncher)
     monkeypatch.setitem(sys.modules, "sklearn", types.ModuleType("sklearn"))  # its import is slow
-    monkeypatch.setattr("unbroken.report.main", lambda dirs, **kw: seen.setdefault("reported", dirs) and 0)
+    monkeypatch.setattr("unbroken.observe.report.main", lambda dirs, **kw: seen.setdefault("reported", dirs) and 0)
     return seen
 
 
@@ -75,7 +77,7 @@ def test_without_the_examples_folder_a_runner_of_the_shipped_example_is_written(
     script = demo.example_script(str(tmp_path / "run"))
     assert script == str(tmp_path / "run" / "train_digits.py")
     with open(script) as f:
-        assert 'run_module("unbroken.demo_train"' in f.read()
+        assert 'run_module("unbroken.launch.demo_train"' in f.read()
 
 
 def test_without_scikit_learn_the_demo_says_what_to_install(monkeypatch, capsys, launched):

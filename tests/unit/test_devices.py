@@ -8,11 +8,15 @@ import types
 import pytest
 import torch
 
-from unbroken import checkpoint, devices, healing
+from unbroken.storage import checkpoint
+
+from unbroken.worker import devices
+
+from unbroken.worker import healing
 from unbroken.cli import main
 from unbroken.errors import ConfigError, GenerationFailed
-from unbroken.group import GenerationGroup, Graveyard, Transport
-from unbroken.nccl import nccl_environment
+from unbroken.worker.group import GenerationGroup, Graveyard, Transport
+from unbroken.worker.nccl import nccl_environment
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
@@ -42,7 +46,7 @@ def test_run_with_backend_nccl_and_no_cuda_exits_2_with_one_line_before_anything
     def launcher_must_not_start(*args, **kwargs):
         raise AssertionError("the launcher was started")
 
-    monkeypatch.setattr("unbroken.launcher.Launcher", launcher_must_not_start)
+    monkeypatch.setattr("unbroken.launch.launcher.Launcher", launcher_must_not_start)
     script = tmp_path / "train.py"
     script.write_text("print('never run')\n")
     assert main(["run", "--backend", "nccl", str(script)]) == 2
@@ -61,7 +65,7 @@ def test_the_backend_flag_reaches_the_launch_settings(tmp_path, launched):
 
 
 def test_the_runtime_setting_comes_from_the_environment_and_is_checked(monkeypatch):
-    from unbroken.runtime_settings import RuntimeSettings
+    from unbroken.worker.runtime_settings import RuntimeSettings
 
     monkeypatch.setenv("UNBROKEN_BACKEND", "gloo")
     assert RuntimeSettings.from_env().backend == "gloo"
@@ -254,7 +258,7 @@ def test_an_nccl_work_that_completed_with_an_error_fails_the_generation():
 def test_an_abort_that_hangs_costs_its_bound_and_a_broken_communicator_is_never_shut_down(monkeypatch):
     import time
 
-    from unbroken import nccl
+    from unbroken.worker import nccl
 
     class Hanging(_StandInNccl):
         def abort(self):
@@ -279,7 +283,7 @@ def test_an_abort_that_hangs_costs_its_bound_and_a_broken_communicator_is_never_
 
 
 def test_the_nccl_environment_is_set_and_a_setting_that_ends_workers_is_refused(capsys):
-    from unbroken import nccl
+    from unbroken.worker import nccl
 
     environ: dict[str, str] = {}
     assert nccl.prepare_environment(30.0, environ) == []
@@ -295,15 +299,15 @@ def test_the_nccl_environment_is_set_and_a_setting_that_ends_workers_is_refused(
 
 
 def test_a_cuda_model_sets_its_device_on_the_main_thread_and_nccl_settings_before_any_group(monkeypatch):
-    from unbroken import runtime
+    from unbroken.worker import runtime
 
     calls = []
     monkeypatch.setattr(devices, "model_device", lambda model: torch.device("cuda", 1))
     monkeypatch.setattr(devices, "choose_backend", lambda name, device: "nccl")
     monkeypatch.setattr(devices, "check_assigned", lambda device: None)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device, threading.current_thread())))
-    monkeypatch.setattr("unbroken.nccl.prepare_environment", lambda timeout: calls.append(("environment", timeout)))
-    monkeypatch.setattr("unbroken.group.set_transport", lambda backend, device: calls.append(("transport", backend)))
+    monkeypatch.setattr("unbroken.worker.nccl.prepare_environment", lambda timeout: calls.append(("environment", timeout)))
+    monkeypatch.setattr("unbroken.worker.group.set_transport", lambda backend, device: calls.append(("transport", backend)))
     job = runtime.Job.__new__(runtime.Job)
     job.distributed = True
     job.settings = types.SimpleNamespace(backend="auto", collective_timeout=12.0)

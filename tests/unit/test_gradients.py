@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from unbroken.gradients import GradientReducer
+from unbroken.worker.gradients import GradientReducer
 
 
 def model():

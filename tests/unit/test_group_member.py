@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from unbroken.errors import ConfigError
-from unbroken.group_member import GroupSettings, unanimous
+from unbroken.worker.group_member import GroupSettings, unanimous
 
 
 def _env(monkeypatch, **values):
@@ -60,7 +60,7 @@ def test_a_sharded_script_run_alone_is_a_group_of_one_and_votes_alone():
         """
         import torch.distributed as dist
         import unbroken
-        from unbroken import group_member
+        from unbroken.worker import group_member
         mesh = unbroken.group_mesh()
         group = group_member.current()
         assert mesh.size() == 1 and dist.get_world_size() == 1
@@ -99,7 +99,7 @@ def test_close_destroys_only_the_process_groups_the_group_made():
         """
         import torch.distributed as dist
         import unbroken
-        from unbroken import group_member
+        from unbroken.worker import group_member
         unbroken.group_mesh()
         group = group_member.current()
         group.close()  # what the runtime does at a clean exit
@@ -119,7 +119,7 @@ def test_close_destroys_only_the_process_groups_the_group_made():
 def _ballots(states, oks=None, extras=None):
     """What each of a group's processes' ballot finds, its ``agree`` summing every process's
     values as the group's all_reduce does."""
-    from unbroken.group_member import GroupMember
+    from unbroken.worker.group_member import GroupMember
 
     size = len(states)
     oks = oks or [True] * size

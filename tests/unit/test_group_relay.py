@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from unbroken.group_relay import EXIT_PEER_SILENT, GroupRelay, GroupWatchdog, RelayTimeout, relay_prefix
+from unbroken.replica_groups.group_relay import EXIT_PEER_SILENT, GroupRelay, GroupWatchdog, RelayTimeout, relay_prefix
 
 
 class Clock:

@@ -20,9 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken import healing
+from unbroken.worker import healing
 from unbroken.errors import ConfigError, GenerationFailed
-from unbroken.healing import HealPlan, TensorSpec, plan
+from unbroken.worker.healing import HealPlan, TensorSpec, plan
 
 torch.set_num_threads(1)
 
@@ -89,7 +89,7 @@ def test_the_plan_heals_exactly_the_members_behind_or_fresh_from_the_lowest_rank
 
 
 def test_a_member_at_the_same_step_with_another_history_receives_the_state():
-    from unbroken.healing import extend_digest, lineage_digest
+    from unbroken.worker.healing import extend_digest, lineage_digest
 
     ours = lineage_digest([1, 1, 2])
     theirs = lineage_digest([1, 1, 3])  # step 2 committed in generation 3, not 2
@@ -418,7 +418,7 @@ def test_gpu_tensors_arrive_on_the_cpu():
 def _worker(role: str, port: str, out: str, timeout: str, die: str = "0") -> None:
     """One end of a transfer (run in a child process): rank 0 sends, rank 1 receives; the
     result goes to ``out`` (JSON), a received state to ``out``.pt."""
-    from unbroken.group import GenerationGroup
+    from unbroken.worker.group import GenerationGroup
     import torch.distributed as dist
 
     parent = os.getppid()

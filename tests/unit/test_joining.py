@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from unbroken.errors import EXIT_MISMATCH
-from unbroken.group_relay import GroupRelay
-from unbroken.joining import Joiner
+from unbroken.replica_groups.group_relay import GroupRelay
+from unbroken.worker.joining import Joiner
 
 
 def _process(relay: GroupRelay) -> Joiner:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from unbroken.errors import ConfigError
-from unbroken.launcher import LaunchSettings
+from unbroken.launch.launcher import LaunchSettings
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_with_groups_tee_names_a_slot_not_a_process(script):
 
 
 def test_the_launcher_has_one_worker_slot_per_group(script, tmp_path):
-    from unbroken.launcher import Launcher
+    from unbroken.launch.launcher import Launcher
 
     launcher = Launcher(LaunchSettings(script=script, nproc_per_node=6, group_size=3, run_dir=str(tmp_path / "run")))
     assert [w.local_rank for w in launcher.workers] == [0, 1]

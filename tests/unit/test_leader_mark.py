@@ -2,7 +2,7 @@
 
 import os
 
-from unbroken import leader_mark
+from unbroken.observe import leader_mark
 
 
 def test_the_newest_generation_that_a_worker_leads_names_the_leader(tmp_path):

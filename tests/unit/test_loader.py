@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.data_plan import DataPlan
+from unbroken.data.data_plan import DataPlan
 from unbroken.errors import ConfigError, SampleError
-from unbroken.loader import Loader, current_sample, sample_rng, sample_seed, sample_seed_for
-from unbroken.runtime import Job
+from unbroken.data.loader import Loader, current_sample, sample_rng, sample_seed, sample_seed_for
+from unbroken.worker.runtime import Job
 
 torch.set_num_threads(1)
 
@@ -326,7 +326,7 @@ def test_an_iterable_dataset_is_refused_at_construction_saying_what_to_do(datase
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-thread", "2-workers"])
 def test_a_replica_group_process_with_a_short_or_empty_part_gets_empty_batches_shaped_like_real_ones(workers):
-    from unbroken.replica_groups import ProcessPlan
+    from unbroken.replica_groups.sharding import ProcessPlan
 
     # G=5, micro-batch 1, 2 groups of 2: group 0 has 3 samples, parts 2 and 1 (the second padded with an empty one);
     # with 3 groups of 2, group 2's share is 1 sample and its process 1 has nothing at all

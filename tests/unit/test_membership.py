@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.membership import (
+from unbroken.coordinator.membership import (
     Decision,
     Generation,
     GenerationState,
@@ -310,7 +310,7 @@ def _join_reply(coordinator, **body) -> dict:
 
 
 def test_join_replies_are_finished_after_a_member_leaves_finished():
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 
     coordinator = Coordinator(CoordinatorSettings(hold=0.05), MembershipSettings(expected_members=2))
     state = coordinator.state
@@ -321,7 +321,7 @@ def test_join_replies_are_finished_after_a_member_leaves_finished():
 
 
 def test_a_join_that_completes_the_first_generation_is_answered_with_it_at_once():
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 
     coordinator = Coordinator(CoordinatorSettings(hold=0.05), MembershipSettings(expected_members=1))
     reply = _join_reply(coordinator, member="a", node="n", pid=1, step=0, after=0)
@@ -771,7 +771,7 @@ def test_a_member_whose_long_wait_just_ended_is_not_fenced_for_the_wait():
     the worker's joiner keeps (``Joiner._blocked`` ticks on entering and on leaving a wait)."""
     from types import SimpleNamespace
 
-    from unbroken.joining import Joiner
+    from unbroken.worker.joining import Joiner
 
     m = _active_generation(MembershipSettings(expected_members=3, progress_timeout=10.0, heartbeat_timeout=100.0))
     waiter = Joiner.__new__(Joiner)

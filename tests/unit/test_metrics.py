@@ -6,8 +6,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from unbroken.membership import Membership, MembershipSettings
-from unbroken.metrics import CoordinatorMetrics
+from unbroken.coordinator.membership import Membership, MembershipSettings
+from unbroken.coordinator.metrics import CoordinatorMetrics
 
 
 def samples(text: bytes | str) -> dict[tuple[str, tuple], float]:
@@ -63,8 +63,8 @@ def test_each_coordinator_has_its_own_registry():
 
 
 def test_a_running_coordinator_serves_its_metrics_over_http():
-    from unbroken.client import CoordinatorClient
-    from unbroken.coordinator import Coordinator, CoordinatorSettings
+    from unbroken.coordinator.client import CoordinatorClient
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 
     coordinator = Coordinator(CoordinatorSettings(hold=0.05), MembershipSettings(expected_members=1)).start_in_thread()
     try:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import mixed_precision
-from unbroken.checkpoint import CheckpointSettings
+from unbroken.worker import mixed_precision
+from unbroken.storage.checkpoint import CheckpointSettings
 from unbroken.errors import ConfigError
 
 GLOBAL, MICRO, STEPS, INF = 12, 4, 14, 3

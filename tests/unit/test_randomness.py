@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from unbroken.randomness import member_seed, seed_member
+from unbroken.worker.randomness import member_seed, seed_member
 
 
 def test_members_get_different_streams_and_the_same_inputs_give_the_same_stream():

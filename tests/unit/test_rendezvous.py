@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken import group as group_module
-from unbroken.group import GenerationGroup
+from unbroken.worker import group as group_module
+from unbroken.worker.group import GenerationGroup
 
 
 class CountingStore(dist.Store):

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.data_plan import DataPlan
+from unbroken.data.data_plan import DataPlan
 from unbroken.errors import ConfigError
-from unbroken.replica_groups import (
+from unbroken.replica_groups.sharding import (
     GroupMismatch,
     GroupShape,
     ProcessPlan,

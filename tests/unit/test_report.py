@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken import report
+from unbroken.observe import report
 from unbroken.cli import main
 
 T0 = 1_000_000.0

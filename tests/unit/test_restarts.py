@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken.errors import ConfigError
-from unbroken.restarts import RestartPolicy, SlotBudget, Verdict
+from unbroken.launch.restarts import RestartPolicy, SlotBudget, Verdict
 
 
 def test_the_defaults_allow_five_restarts_within_five_minutes_and_cool_off_ten_minutes():

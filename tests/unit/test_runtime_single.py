@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from unbroken.data_plan import DataPlan
+from unbroken.data.data_plan import DataPlan
 from unbroken.errors import ConfigError
-from unbroken.runtime import Job, RuntimeSettings
+from unbroken.worker.runtime import Job, RuntimeSettings
 
 torch.set_num_threads(1)
 
@@ -351,7 +351,7 @@ def _job_with_a_fake_heartbeat(**settings):
     whose reply is ``view`` was sent) and ``view``; and a client whose other requests answer."""
     import time as _time
 
-    from unbroken.runtime import Job, RuntimeSettings
+    from unbroken.worker.runtime import Job, RuntimeSettings
 
     torch.set_num_threads(1)
     model = torch.nn.Linear(2, 1)
@@ -444,7 +444,7 @@ def test_an_optimizer_stepped_by_the_script_is_refused_on_the_first_step():
 def _tracking() -> bool:
     from torch.overrides import _get_current_function_mode_stack
 
-    from unbroken.input_check import _Marking
+    from unbroken.worker.input_check import _Marking
 
     return any(isinstance(mode, _Marking) for mode in _get_current_function_mode_stack())
 

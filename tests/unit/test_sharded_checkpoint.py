@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint import CheckpointStore
-from unbroken.sharded_checkpoint import (
+from unbroken.storage.checkpoint import CheckpointStore
+from unbroken.storage.sharded_checkpoint import (
     FORMAT,
     CheckpointCorrupt,
     CheckpointMismatch,
@@ -222,7 +222,7 @@ def test_the_background_saver_writes_the_state_of_its_step_while_training_goes_o
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from unbroken import sharded_checkpoint
+    from unbroken.storage import sharded_checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from unbroken.errors import ConfigError
-from unbroken.runtime import Job
-from unbroken.shards import ShardedArrays
+from unbroken.worker.runtime import Job
+from unbroken.data.shards import ShardedArrays
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from unbroken import slurm
+from unbroken.launch import slurm
 from unbroken.cli import build_parser
-from unbroken.run_flags import launch_settings
+from unbroken.launch.run_flags import launch_settings
 from unbroken.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.telemetry import KINDS, EventLog, read_events
+from unbroken.observe.events import KINDS, EventLog, read_events
 
 
 def test_an_event_log_without_a_path_is_a_disabled_no_op(tmp_path):
@@ -125,7 +125,7 @@ def test_emit_refuses_fields_that_would_replace_the_common_ones(tmp_path):
 def test_every_kind_written_is_listed_and_documented():
     root = Path(__file__).resolve().parents[2]
     written = set()
-    for path in (root / "unbroken").glob("*.py"):
+    for path in (root / "unbroken").rglob("*.py"):
         written |= set(re.findall(r'\bemit\(\s*"(\w+)"', path.read_text()))
     assert written == set(KINDS)
     docs = (root / "docs" / "events.md").read_text()

@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from unbroken.errors import ConfigError, LoopMisuse
-from unbroken.runtime import Job
-from unbroken.step import Step
+from unbroken.worker.runtime import Job
+from unbroken.worker.step import Step
 
 
 class UnsupportedFeature(ConfigError):
@@ -120,7 +120,7 @@ class DrivenLoop:
             return
         self._finished = True
         if self._steps is not None:
-            from unbroken.lifetime import ExitGuard
+            from unbroken.worker.lifetime import ExitGuard
 
             if sys.exc_info()[0] is not None or ExitGuard.crashed:
                 self.job._left_on_error = True

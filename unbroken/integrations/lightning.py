@@ -96,7 +96,7 @@ class UnbrokenStrategy(SingleDeviceStrategy):
 
     def __init__(self, device: Any = None, *, global_batch_size: int | None = None, seed: int = 0, **kwargs: Any) -> None:
         if device is None:
-            from unbroken.devices import local_device
+            from unbroken.worker.devices import local_device
 
             device = local_device() if torch.cuda.is_available() else torch.device("cpu")
         super().__init__(device=device, **kwargs)

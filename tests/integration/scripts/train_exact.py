@@ -13,7 +13,7 @@ import time
 import torch
 
 import unbroken
-import unbroken.devices
+import unbroken.worker.devices
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
@@ -63,7 +63,7 @@ if args.device == "cuda":
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-device = unbroken.devices.local_device() if args.device == "cuda" else torch.device("cpu")
+device = unbroken.worker.devices.local_device() if args.device == "cuda" else torch.device("cpu")
 if args.amp == "fp16":
     args.scaler = True
 if args.slow_store:

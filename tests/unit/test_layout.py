@@ -1,0 +1,76 @@
+"""The package's layout: subpackages by role, imports flowing one way, modules of a readable size
+(docs/how-it-works.md, Layout). Every import counts: at module level, inside functions and under
+``TYPE_CHECKING``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "unbroken"
+BASE = {"unbroken.errors", "unbroken.store_keys", "unbroken.open_files", "unbroken"}
+"""Top-level modules every package may import (``unbroken`` itself: ``__version__``)."""
+MAY_IMPORT = {
+    "observe": set(),
+    "data": {"observe"},
+    "replica_groups": {"observe", "data"},
+    "storage": {"observe", "data", "replica_groups"},
+    "coordinator": {"observe"},
+    "worker": {"observe", "data", "replica_groups", "storage", "coordinator"},
+    "launch": {"observe", "data", "replica_groups", "storage", "coordinator", "worker"},
+    "integrations": {"observe", "data", "replica_groups", "storage", "coordinator", "worker"},
+}
+LONGEST = 400
+TOO_LONG_FOR_NOW = {
+    "worker/runtime.py", "worker/joining.py", "data/loader.py", "worker/healing.py", "coordinator/membership.py",
+    "coordinator/server.py", "worker/group.py", "storage/checkpoint.py", "replica_groups/sharding.py",
+    "replica_groups/group_relay.py", "storage/sharded_checkpoint.py",
+}
+"""Modules still above ``LONGEST`` lines, to be split; the list may only shrink."""
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The ``unbroken...`` modules (or names) a file imports, relative imports resolved."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "unbroken"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "unbroken":
+            found |= {f"{node.module}.{a.name}" for a in node.names} if node.module == "unbroken" else {node.module}
+    return found
+
+
+def _package(name: str) -> str | None:
+    """The subpackage a dotted name is in, or None for the top level."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_flow_one_way(path):
+    relative = path.relative_to(PACKAGE)
+    if len(relative.parts) == 1:
+        return  # the top level: the command line and the public names reach everything
+    own = relative.parts[0]
+    allowed = MAY_IMPORT[own] | {own}
+    wrong = sorted(n for n in _imports(path) if n not in BASE and _package(n) not in allowed and _package(n) is not None)
+    wrong += sorted(n for n in _imports(path) if _package(n) is None and n not in BASE and n != "unbroken.__version__")
+    assert not wrong, f"{relative} ({own}) may import {sorted(allowed)} and the top level's base, not {wrong}"
+
+
+def test_each_package_says_what_it_owns_and_what_it_may_import():
+    for own in MAY_IMPORT:
+        doc = ast.get_docstring(ast.parse((PACKAGE / own / "__init__.py").read_text())) or ""
+        assert "import" in doc.lower() and len(doc) > 80, f"unbroken/{own}/__init__.py: say what it owns and may import"
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(p.relative_to(PACKAGE)) for p in _modules() if len(p.read_text().splitlines()) > LONGEST}
+    assert long <= TOO_LONG_FOR_NOW, f"above {LONGEST} lines: {sorted(long - TOO_LONG_FOR_NOW)}; split them"
+    assert TOO_LONG_FOR_NOW <= long, f"now short enough, take them off the list: {sorted(TOO_LONG_FOR_NOW - long)}"

@@ -1,0 +1,400 @@
+"""The coordinator's HTTP handlers: the requests of its API (the table in :mod:`unbroken.coordinator.server`).
+
+Each handler reads a JSON body, applies it to the membership state (the decisions are
+:mod:`unbroken.coordinator.membership`'s) and answers; ``join`` and ``heartbeat`` are long polls that answer
+as soon as their answer changes, or after ``hold`` seconds. A member is refused while its slot
+is quarantined, or when its preflight does not match the job's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
+
+from unbroken.coordinator.membership import MemberState
+
+if TYPE_CHECKING:
+    from unbroken.coordinator.server import CoordinatorSettings
+    from unbroken.coordinator.membership import Membership
+    from unbroken.coordinator.metrics import CoordinatorMetrics
+    from unbroken.observe.events import EventLog
+
+CONNECTION_CLOSED = "its heartbeat connection closed (its process or host is gone)"
+"""The reason of a verdict on a closed heartbeat connection (replaced by the launcher's, if it
+reports the exit)."""
+
+log = logging.getLogger("unbroken.coordinator.server")  # moved out of the coordinator; its messages keep their logger
+
+
+class CoordinatorApi:
+    """The request handlers of :class:`~unbroken.coordinator.server.Coordinator`, which it is a base of,
+    on the coordinator's own state."""
+
+    settings: CoordinatorSettings
+    state: Membership
+    leadership: Any
+    events: EventLog
+    metrics: CoordinatorMetrics
+    incarnation: str
+    store_port: int | None
+    _durable: int
+    _coordinators: list[str]
+    _reference: dict[str, str] | None
+    _quarantined: dict[str, float]
+    _heartbeat_connections: dict[str, Any]
+    _idle_connections: dict[str, Any]
+    _members_body: tuple[int, bytes] | None
+    _bump: Callable[[], None]
+    _wait_change: Callable[..., Coroutine[Any, Any, None]]
+
+    @property
+    def _authenticate(self):
+        from aiohttp import web
+
+        expected = f"Bearer {self.settings.token}".encode()
+
+        @web.middleware
+        async def authenticate(request, handler):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response(
+                    {"error": "missing or wrong token: pass --token or set UNBROKEN_TOKEN to the job's token"}, status=401
+                )
+            return await handler(request)
+
+        return authenticate
+
+    async def _json(self, request) -> dict[str, Any]:
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("member", ""), str):
+            from aiohttp import web
+
+            raise web.HTTPBadRequest(text="expected a JSON object with a string 'member'")
+        return body
+
+    def _reply(self, payload: dict[str, Any]):
+        from aiohttp import web
+
+        return web.json_response(payload)
+
+    async def _join(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        refusal = self._refusal(member_id)
+        if refusal is not None:
+            return self._reply({"status": "refused", "reason": refusal})
+        mismatch = self._mismatch(member_id, body.get("preflight"))
+        if mismatch is not None:
+            return self._reply({"status": "mismatch", "reason": mismatch})
+        after = int(body.get("after", 0))
+        self.state.min_generation = max(self.state.min_generation, after)
+        warm = bool(body.get("warm", True))
+        current = self.state.current
+        known = self.state.members.get(member_id)
+        # Active in a generation newer than any it has heard of: its previous join's answer
+        # ("wait") crossed the formation. It has not left that generation; answer it, instead of
+        # taking it for a member that left, which would make every member re-form again (at
+        # thousands of members, each formation would be spoilt by the next late one).
+        unheard = (
+            current is not None
+            and current.number > after
+            and member_id in current.ranks
+            and known is not None
+            and known.state is MemberState.ACTIVE
+        )
+        if not unheard and self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
+            self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
+            self._bump()
+        lean = bool(body.get("lean"))
+        deadline = time.monotonic() + self.settings.hold
+        while True:
+            current = self.state.current
+            member = self.state.members.get(member_id)
+            durable = self.leadership is None or (current is not None and current.number <= self._durable)
+            rank = current.ranks.get(member_id) if current is not None else None
+            if current is not None and durable and current.number > after and rank is not None and member is not None and member.state is MemberState.ACTIVE:
+                return self._reply(
+                    {
+                        "status": "formed",
+                        "incarnation": self.incarnation,
+                        "generation": current.number,
+                        # O(N) bytes to each of N members is O(N^2) per formation: a lean
+                        # member fetches the list (or the names it needs) from /v1/members
+                        **({} if lean else {"members": list(current.members)}),
+                        "size": len(current.members),
+                        "rank": rank,
+                        "prefix": current.prefix,
+                        "store_host": self.settings.advertise_host or self.settings.host,
+                        "store_port": self.store_port,
+                        **({"coordinators": self._coordinators} if self._coordinators else {}),
+                    }
+                )
+            if self.state.finished:
+                return self._reply({"status": "finished"})
+            if self.state.failed:
+                return self._reply({"status": "failed", "reason": self.state.failed})
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self._reply({"status": "wait"})
+            await self._wait_change(remaining, member_id)
+
+    async def _heartbeat(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        seen = body.get("seen") or {}
+        deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
+        transport = request.transport
+        self._idle_connections.pop(member_id, None)
+        if transport is not None:
+            self._heartbeat_connections[member_id] = transport
+        progress = body.get("progress")
+        self.state.heartbeat(
+            member_id,
+            body.get("step"),
+            time.monotonic(),
+            body.get("blocked_on"),
+            progress=int(progress) if isinstance(progress, int) else None,
+            busy=body.get("busy") or None,
+            warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
+        )
+        if self.leadership is None and self.state.take_survivors(time.monotonic()):
+            self._bump()  # the last survivor of a verdict reported waiting in a collective
+        try:
+            while True:
+                view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (view != seen and self._news(member_id, view, seen)):
+                    if transport is not None and self._heartbeat_connections.get(member_id) is transport:
+                        self._idle_connections[member_id] = transport  # watched by looking until the next poll
+                    return self._reply(view)
+                await self._wait_change(remaining, member_id)
+        except asyncio.CancelledError:
+            self._connection_closed(member_id)
+            raise
+
+    def _news(self, member_id: str, view: dict[str, Any], seen: dict[str, Any]) -> bool:
+        """Whether ``view`` tells the member something its own join does not: a held heartbeat
+        answers at once only then, and otherwise at the end of its hold.
+
+        A member learns from its join's reply that it waits, and then the generation it was formed
+        into; answering every heartbeat poll of a re-formation for that as well would double the
+        coordinator's messages when it is busiest (thousands of members re-forming at once). A
+        member formed into it without joining (``Membership.take_survivors``) learns of it here."""
+        formed_into = (
+            not view["broken"] and not view["reconfigure"]
+            and self.state.current is not None and member_id in self.state.current.ranks
+            and member_id not in self.state.preformed
+        )
+        for key, value in view.items():
+            old = seen.get(key)
+            if value == old:
+                continue
+            if key == "state" and value in ("waiting", "active") and old in ("waiting", "active"):
+                continue
+            if key in ("generation", "broken", "reconfigure", "rank", "size", "prefix") and formed_into:
+                continue
+            return True
+        return False
+
+    def _check_connections(self, members: Any = None) -> None:
+        """Every member (of ``members``; None: all) whose newest heartbeat connection has closed
+        since (found between long polls, when no handler runs for it: a peer's failure report
+        may have ended its poll). A full check also forgets the connections of forgotten members."""
+        if members is None:
+            for member_id in [m for m in self._heartbeat_connections if m not in self.state.members]:
+                del self._heartbeat_connections[member_id]
+                self._idle_connections.pop(member_id, None)
+            members = list(self._heartbeat_connections)
+        for member_id in members:
+            transport = self._heartbeat_connections.get(member_id)
+            member = self.state.members.get(member_id)
+            if transport is None or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
+                # nothing to watch: a closing connection of a member that is not live changes nothing
+                self._idle_connections.pop(member_id, None)
+                if transport is not None and transport.is_closing():
+                    self._heartbeat_connections.pop(member_id, None)
+            elif transport.is_closing():
+                self._connection_closed(member_id)
+
+    def _check_generation_connections(self) -> None:
+        """The current generation's connections: after a failure report, one of them may be a
+        dead member's whose poll the report's wake-up just ended. O(generation), once a break."""
+        current = self.state.current
+        self._check_connections(current.members if current is not None else [])
+
+    def _connection_closed(self, member_id: str) -> None:
+        """A member's heartbeat connection closed: its process is gone (the kernel closed its
+        sockets), or its host is; a live member keeps it open (its heartbeat thread reopens one
+        only after a request failed, which the coordinator's own stall would cause). Dead at
+        once, not after the heartbeat timeout. A stopped process or a host without power closes
+        nothing: for those the heartbeat timeout still decides."""
+        self._heartbeat_connections.pop(member_id, None)
+        self._idle_connections.pop(member_id, None)
+        member = self.state.members.get(member_id)
+        if self._stopped.is_set() or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
+            return
+        reason = CONNECTION_CLOSED
+        if self.state.mark_dead(member_id, reason, time.monotonic()):
+            log.warning("member %s declared dead: %s", member_id, reason)
+            self.events.emit("verdict", member=member_id, detected_by="connection", reason=reason)
+            self.metrics.failure("connection")
+            self._bump()
+
+    async def _failure(self, request):
+        body = await self._json(request)
+        generation = int(body.get("generation", 0))
+        if self.state.report_failure(body["member"], generation, time.monotonic()):
+            log.warning("generation %d broken: %s reported %s", generation, body["member"], body.get("error"))
+            self.events.emit("failure", member=body["member"], generation=generation, detected_by="collective", error=body.get("error"))
+            self.metrics.failure("collective")
+            self._bump()
+            # a peer's process or host may be gone: the kernel's closing of its connection
+            # reaches this loop within milliseconds of the failure the report describes
+            asyncio.get_running_loop().call_later(0.02, self._check_generation_connections)
+        return self._reply({"ok": True})
+
+    async def _exit(self, request):
+        body = await self._json(request)
+        member_id = body["member"]
+        reason = str(body.get("reason", "exited"))
+        member = self.state.members.get(member_id)
+        if self.state.mark_dead(member_id, reason, time.monotonic()):
+            log.warning("member %s exited: %s", member_id, reason)
+            self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason)
+            self.metrics.failure("launcher")
+        elif member is not None and member.death_reason == CONNECTION_CLOSED:
+            # already declared dead as its connection closed (milliseconds earlier): the launcher
+            # says how it ended, which the status, the console and the report show instead
+            member.death_reason = reason
+            self.events.emit("verdict", member=member_id, detected_by="launcher", reason=reason, explains="connection")
+        self._bump()
+        return self._reply({"ok": True})
+
+    async def _leave(self, request):
+        body = await self._json(request)
+        if self.state.leave(body["member"], bool(body.get("finished")), int(body.get("step", 0)), time.monotonic()):
+            if body.get("finished"):
+                reason = body.get("reason")
+                self.events.emit("finished", member=body["member"], step=int(body.get("step", 0)),
+                                 **({"reason": str(reason)[:500]} if reason else {}))
+            self._bump()
+        return self._reply({"ok": True})
+
+    async def _quarantine(self, request):
+        from aiohttp import web
+
+        body = await self._json(request)
+        prefix = body.get("prefix")
+        seconds = body.get("seconds")
+        if (
+            not isinstance(prefix, str)
+            or not prefix
+            or isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+        ):
+            raise web.HTTPBadRequest(text="expected {prefix: non-empty string, seconds: number, reason}")
+        if seconds > 0:
+            self._quarantined[prefix] = time.monotonic() + seconds
+            log.warning("slot %s quarantined for %g s: %s", prefix, seconds, body.get("reason"))
+        elif self._quarantined.pop(prefix, None) is not None:
+            log.info("slot %s is no longer quarantined", prefix)
+        return self._reply({"ok": True})
+
+    def _mismatch(self, member_id: str, preflight: Any) -> str | None:
+        """Why a joining member does not match the job (None if it does). The reference is the
+        first member's preflight, kept while any member lives; it names each difference."""
+        if not isinstance(preflight, dict):
+            return None
+        mine = {str(k): str(v) for k, v in preflight.items()}
+        if self._reference is None or self.state.live_count() == 0:
+            self._reference = mine
+            return None
+        reference = self._reference
+        differences = [
+            f"{key}: {mine.get(key, 'missing')} here, {reference.get(key, 'missing')} in the job"
+            for key in sorted(set(reference) | set(mine))
+            if reference.get(key) != mine.get(key)
+        ]
+        if not differences:
+            return None
+        reason = "; ".join(differences)
+        log.error("member %s refused: it does not match the job: %s", member_id, reason)
+        self.events.emit("refused", member=member_id, reason=reason)
+        return reason
+
+    def _refusal(self, member_id: str) -> str | None:
+        """Why a member may not join (its slot is quarantined), or None; forgets expired entries."""
+        now = time.monotonic()
+        for prefix, until in list(self._quarantined.items()):
+            if until <= now:
+                del self._quarantined[prefix]
+            elif member_id.startswith(prefix):
+                return f"its slot {prefix} is quarantined for {until - now:.0f} s more"
+        return None
+
+    def _quarantine_left(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {prefix: round(until - now, 1) for prefix, until in self._quarantined.items() if until > now}
+
+    async def _metrics(self, request):
+        from aiohttp import web
+
+        from unbroken.coordinator.metrics import CONTENT_TYPE
+
+        return web.Response(body=self.metrics.render(self.state), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _members(self, request):
+        """The member list of a generation, serialized once per generation; or one member's id."""
+        from aiohttp import web
+
+        try:
+            number = int(request.query.get("generation", "0"))
+            rank = int(request.query["rank"]) if "rank" in request.query else None
+        except ValueError:
+            raise web.HTTPBadRequest(text="expected ?generation=N[&rank=R] with integers") from None
+        generation = next((g for g in reversed(self.state.history) if g.number == number), None)
+        if generation is None:
+            raise web.HTTPNotFound(text=f"generation {number} is not known here (forgotten, or never formed)")
+        if rank is not None:
+            if not 0 <= rank < len(generation.members):
+                raise web.HTTPNotFound(text=f"generation {number} has no rank {rank}")
+            return self._reply({"generation": number, "member": generation.members[rank]})
+        if self._members_body is None or self._members_body[0] != number:
+            import json
+
+            self._members_body = (number, json.dumps({"generation": number, "members": list(generation.members)}).encode())
+        return web.Response(body=self._members_body[1], content_type="application/json")
+
+    async def _status(self, request):
+        now = time.monotonic()
+        current = self.state.current
+        return self._reply(
+            {
+                "incarnation": self.incarnation,
+                "generation": current.number if current else 0,
+                "generation_members": list(current.members) if current else [],
+                "broken": self.state.view_for("")["broken"],
+                "finished": self.state.finished,
+                "failed": self.state.failed,
+                "committed_step": self.state.committed_step(),
+                "live": self.state.live_count(),
+                "quarantined": self._quarantine_left(),
+                **({"coordinators": self._coordinators} if self._coordinators else {}),
+                "members": [
+                    {
+                        "member": m.id,
+                        "node": m.node,
+                        "state": m.state.value,
+                        "step": m.step,
+                        "heartbeat_age": round(now - m.last_heartbeat, 3),
+                        "reason": m.death_reason,
+                    }
+                    for m in self.state.members.values()
+                ],
+            }
+        )

@@ -1,0 +1,120 @@
+"""Failures counted as incidents, for ``unbroken report``.
+
+Failure-related events (``verdict``, ``failure``, a ``worker_exit`` with a non-zero status, a
+chaos ``fault``) that follow each other within :data:`INCIDENT_GAP` seconds are one incident. A
+SIGKILL therefore counts once, although the launcher reports the exit, the coordinator gives its
+verdict and a survivor reports the broken collective. The incident is classified by its
+strongest evidence (:data:`EVIDENCE`). A worker exit alone, with no verdict or failure from the
+coordinator near it (a worker stopped at the end of the job, or by Ctrl-C), is not a failure.
+Each incident that hit the running generation is measured: its stall lasts until the next commit
+of a later generation, less one median step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.observe.run_log import is_int
+
+# Failure-related events closer than this (seconds) belong to one incident.
+INCIDENT_GAP = 1.0
+
+# Evidence that classifies an incident, strongest first.
+EVIDENCE = ("launcher", "connection", "heartbeat", "progress watchdog", "collective")
+
+
+@dataclass
+class Incident:
+    start: float  # time of its first event (a chaos fault, if one led to it)
+    end: float
+    kind: str  # the strongest evidence, one of EVIDENCE (or another detected_by value)
+    members: list[str]  # the members that died (verdicts, non-zero exits, faults)
+    generation: int | None  # the generation that was running
+    affected: bool  # whether a member of that generation was lost or it reported a failure
+    events: list[dict[str, Any]]
+    stall: float | None = None  # to the next commit in a later generation, less one median step
+    resumed_at: float | None = None
+
+
+def rank(kind: str) -> int:
+    """Where ``kind`` stands in :data:`EVIDENCE` (strongest first; others after)."""
+    return EVIDENCE.index(kind) if kind in EVIDENCE else len(EVIDENCE)
+
+
+def evidence(event: dict[str, Any]) -> str | None:
+    """What detected the failure that ``event`` reports, or None if it reports none."""
+    kind = event["kind"]
+    if kind == "worker_exit":
+        return "launcher"
+    if kind in ("verdict", "failure"):
+        return str(event.get("detected_by") or ("collective" if kind == "failure" else "unknown"))
+    return None
+
+
+def _is_failure_event(event: dict[str, Any]) -> bool:
+    kind = event["kind"]
+    if kind == "worker_exit":
+        code = event.get("code")
+        return is_int(code) and code != 0
+    return kind in ("verdict", "failure", "fault")
+
+
+def _generation_at(generations: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
+    current = None
+    for g in generations:
+        if g["t"] > t:
+            break
+        current = g
+    return current
+
+
+def incidents(events: list[dict[str, Any]], steps: list[dict[str, Any]], median_step: float) -> list[Incident]:
+    """Group failure-related events into incidents and measure the stall each one caused."""
+    related = [e for e in events if _is_failure_event(e)]
+    chains: list[list[dict[str, Any]]] = []
+    for event in related:
+        if chains and event["t"] - chains[-1][-1]["t"] <= INCIDENT_GAP:
+            chains[-1].append(event)
+        else:
+            chains.append([event])
+    generations = [e for e in events if e["kind"] == "generation"]
+    found: list[Incident] = []
+    previous_end = -math.inf
+    for chain in chains:
+        coordinator = [e for e in chain if e["kind"] in ("verdict", "failure")]
+        if not coordinator:
+            continue  # an exit or a fault the coordinator never called a failure
+        kinds = [k for k in (evidence(e) for e in chain) if k is not None]
+        kind = min(kinds, key=rank)
+        members = []
+        for e in chain:
+            if e["kind"] in ("verdict", "worker_exit", "fault") and isinstance(e.get("member"), str) and e["member"] not in members:
+                members.append(e["member"])
+        start, end = chain[0]["t"], chain[-1]["t"]
+        # A fault that hung a worker (stop, spin) comes long before the verdict: it is the onset.
+        for e in related:
+            if e["kind"] == "fault" and previous_end < e["t"] < start and e.get("member") in members:
+                start = e["t"]
+                break
+        failures = [e for e in chain if e["kind"] == "failure"]
+        running = _generation_at(generations, start)
+        if failures:
+            generation = max(e["generation"] for e in failures)
+        else:
+            generation = running["generation"] if running is not None else None
+        if failures or running is None or not isinstance(running.get("members"), list):
+            affected = True
+        else:
+            affected = any(m in running["members"] for m in members)
+        incident = Incident(start, end, kind, members, generation, affected, chain)
+        if affected:
+            later = (s for s in steps if s["t"] >= start and (generation is None or s["generation"] > generation))
+            resumed = next(later, None)
+            if resumed is not None:
+                incident.resumed_at = resumed["t"]
+                incident.stall = max(0.0, resumed["t"] - start - median_step)
+        found.append(incident)
+        previous_end = end
+    return found

@@ -1,0 +1,231 @@
+"""The runtime's side of durable checkpoints: when this member saves, resumes and waits for a save.
+
+:mod:`unbroken.storage.checkpoint` holds the store, the background saver and the schedule's arithmetic;
+this module drives them from the training loop. A member that starts a job (nobody holds live
+state) resumes from the newest checkpoint that verifies. After each commit, the generation's
+rank 0 snapshots the state when the schedule says a save is due and writes it in the background,
+never waiting for a write still running (a slow store must not hold up a collective), and
+accounts what the save cost training so that the schedule can adapt its interval. At the end a
+final checkpoint is written and awaited, by the single process or by rank 0 while the others
+wait on a store flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from unbroken.worker import healing
+from unbroken.errors import ConfigError, GenerationFailed
+
+if TYPE_CHECKING:
+    from unbroken.worker.runtime import Job
+
+log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
+
+
+class Checkpointing:
+    """One job's checkpoint directory, saver and schedule (all None without a directory)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.store: Any = None  # CheckpointStore, opened when steps() starts
+        self.saver: Any = None
+        self.schedule: Any = None
+        self.last_step_seconds: float | None = None
+        """How long the last committed step took (set by the job at each commit)."""
+        self._step_ema: float | None = None
+        self._save_cost = 0.0
+        self._save_cost_pending = False
+
+    def open(self, resume: bool) -> None:
+        """Open the checkpoint directory; a member that starts a job (nobody holds live state)
+        resumes from the newest valid checkpoint there."""
+        job = self.job
+        if not job.checkpoint.directory or self.store is not None:
+            return
+        from unbroken.storage.checkpoint import CheckpointStore, Saver, Schedule
+
+        self.store = CheckpointStore(job.checkpoint.directory)
+        if job._group is not None:
+            from unbroken.storage.sharded_checkpoint import ShardedSaver
+
+            self.saver = ShardedSaver(self.store, job.checkpoint.keep, self._done, job._group.checkpoint_group, job.model)
+        else:
+            self.saver = Saver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s))
+        if job.checkpoint.every is not None:
+            self.schedule = Schedule(job.checkpoint.every, job.checkpoint.mtbf, time.monotonic())
+        if resume:
+            self.resume()
+        else:
+            job._generation_floor = max(job._generation_floor, self.store.newest_generation())
+
+    def resume(self) -> None:
+        """Load the newest checkpoint that verifies, if there is one."""
+        job = self.job
+        if job._group is not None:
+            self._resume_sharded()
+            return
+        found = self.store.load_latest()
+        if found is None:
+            if self.store.steps() or _has_entries(self.store):
+                print(f"unbroken: warning: no valid checkpoint in {job.checkpoint.directory}; starting from step 0", flush=True)
+            return
+        state, manifest, location = found
+        job._load(state)
+        job.fresh = False
+        # New generations are numbered above the one that wrote it (it may come from an earlier
+        # coordinator), so that lineages never reuse a number.
+        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
+        print(f"unbroken: resumed from step {job.next_step} of {location}", flush=True)
+        job._events.emit("resume", step=job.next_step, location=location)
+
+    def maybe_save(self) -> None:
+        """After a commit: save if the schedule says so (rank 0 only)."""
+        job = self.job
+        if self.schedule is None or job.member_index != 0:
+            return
+        now = time.monotonic()
+        self._account_save_cost(now)
+        due = job.next_step < (job.total or 0) and self.schedule.due(job.next_step, now)
+        # a replica group writes together or not at all: not while any of its processes still writes
+        agreed, (wanted, writing) = job._vote(True, job.generation, [float(due), float(self.saver.busy())])
+        if not agreed:  # the group's processes hold different states: nobody saves, all rejoin
+            job._abandon("the processes of this replica group disagree on the step or lineage before a save")
+            return
+        if wanted > 0:
+            self.save(skip=writing > 0)
+
+    def _account_save_cost(self, now: float) -> None:
+        """What a save costs training: its stall plus how much longer the steps took while it was
+        being written (the writer competes for cores and memory bandwidth)."""
+        seconds = self.last_step_seconds
+        if seconds is None:
+            return
+        if self.saver.busy():
+            if self._step_ema is not None:
+                self._save_cost += max(0.0, seconds - self._step_ema)
+            return
+        if self._save_cost_pending:
+            self._save_cost_pending = False
+            message = self.schedule.cost(self._save_cost, now)
+            if message:
+                log.info("%s", message)
+                print(f"unbroken: {message}", flush=True)
+                self.job._events.emit("checkpoint_interval", seconds=self.schedule.interval, cost=self._save_cost)
+            return  # the step that saw the write finish is not a healthy sample
+        self._step_ema = seconds if self._step_ema is None else 0.9 * self._step_ema + 0.1 * seconds
+
+    def save(self, skip: bool = False) -> None:
+        """Snapshot the state and write it in the background; skipped (never waited for) while
+        the previous write is still running, so that a slow store never holds up a collective.
+        A replica group's processes each write their shards (:class:`ShardedSaver`)."""
+        job = self.job
+        group = job._joiner.group
+        meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id]}
+        if job._group is not None:
+            meta.update(runtime={"next_step": job.next_step, "lineage": list(job.lineage)}, plan=self._plan())
+        with job._joiner.busy("checkpoint snapshot"):
+            state = self._sharded_state() if job._group is not None else job._state()
+            stall = None if skip else self.saver.save(job.next_step, state, meta)
+        if self.schedule is not None:
+            self.schedule.began(time.monotonic())  # a skipped save waits for the next interval too
+        if stall is None:
+            message = f"checkpoint of step {job.next_step} skipped: the write of step {self.saver.writing} is still running"
+            log.warning("%s", message)
+            print(f"unbroken: {message}", flush=True)
+            job._events.emit("checkpoint_skipped", step=job.next_step, writing=self.saver.writing)
+        elif self.schedule is not None:
+            self._save_cost, self._save_cost_pending = stall, True
+
+    # -- replica groups: one DCP shard per process, written by one group (issue 18) --------------
+
+    def _sharded_state(self) -> dict[str, Any]:
+        from unbroken.storage.sharded_checkpoint import TrainingState
+
+        job = self.job
+        return {"train": TrainingState(job.model, job.optimizer), **{name: part.state_dict() for name, part in self._parts()}}
+
+    def _parts(self) -> list[tuple[str, Any]]:
+        """The job's other stateful parts that it has: scheduler, extra state, scaler."""
+        job = self.job
+        return [(n, p) for n, p in (("scheduler", job.scheduler), ("extra", job.extra_state), ("scaler", job.scaler)) if p is not None]
+
+    def _plan(self) -> dict[str, int]:
+        plan = self.job.plan
+        return {"global_batch_size": plan.global_batch_size, "seed": plan.seed, "dataset_len": plan.dataset_len}
+
+    def _resume_sharded(self) -> None:
+        """Every process of the group loads its shard of the newest sharded checkpoint (any number
+        of groups, any group size wrote it: DCP reshards)."""
+        from unbroken.storage.sharded_checkpoint import load_sharded
+
+        job = self.job
+        state = self._sharded_state()
+        manifest = load_sharded(job.checkpoint.directory, state)
+        if manifest is None:
+            if self.store.steps() or _has_entries(self.store):
+                print(f"unbroken: warning: no valid sharded checkpoint in {job.checkpoint.directory}; starting from step 0", flush=True)
+            return
+        if manifest.get("plan") != self._plan():
+            raise ConfigError(f"the checkpoint was written with the data plan {manifest.get('plan')}, this job has {self._plan()}")
+        for name, part in self._parts():
+            part.load_state_dict(state[name])
+        runtime = manifest["runtime"]
+        job.next_step, job.lineage = int(runtime["next_step"]), list(runtime["lineage"])
+        job._digest = healing.lineage_digest(job.lineage)
+        job.fresh = False
+        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
+        if job._joiner.heartbeat is not None:
+            job._joiner.heartbeat.step = job.next_step
+        print(f"unbroken: resumed from step {job.next_step} of the sharded checkpoint in {job.checkpoint.directory}", flush=True)
+        job._events.emit("resume", step=job.next_step, location=job.checkpoint.directory)
+
+    def final(self) -> None:
+        """A single process saves the final state and waits until it is durable."""
+        if self.saver is None:
+            return
+        self.saver.wait()
+        if self.schedule is not None:
+            self.save()
+        self.saver.wait()
+
+    def final_together(self) -> bool:
+        """After the final replica check: rank 0 writes the final checkpoint and waits until it is
+        durable, marked busy (never taken for stuck, however slow the store); the others wait for
+        it on a store flag, which tolerates any write time. Every member also lets its own
+        background write finish. False if the generation broke meanwhile (rejoin and redo)."""
+        job = self.job
+        if self.saver is None:
+            return True
+        try:
+            with job._joiner.busy("checkpoint write"):
+                self.saver.wait()
+                if self.schedule is not None and job.member_index == 0:
+                    self.save()
+                    self.saver.wait()
+            if self.schedule is not None:
+                if job.member_index == 0:
+                    job._joiner.group.set_flag("final-checkpoint")
+                else:
+                    job._joiner.group.wait_flag("final-checkpoint", "waiting for the final checkpoint")
+        except GenerationFailed as exc:
+            job._abandon(str(exc))
+            return False
+        return True
+
+    def failure(self) -> None:
+        """The generation failed: the schedule counts it (the automatic interval follows the run's MTBF)."""
+        if self.schedule is not None:
+            self.schedule.failure()
+
+    def _done(self, info: dict[str, Any]) -> None:
+        self.job._events.emit("checkpoint", **info)
+
+
+def _has_entries(store: Any) -> bool:
+    try:
+        return bool(store.fs.ls(store.root, detail=False))
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,108 @@
+"""A member's side of healing, right after its generation's group is built (DESIGN step 2).
+
+The members exchange (next step, fresh, lineage digest); :func:`unbroken.worker.healing.plan` picks the
+source and the receivers, and the state fans out over the new group in rounds
+(:func:`unbroken.worker.healing.rounds`: every member that holds it, receivers once healed included,
+sends it to one more member per round; :mod:`unbroken.worker.healing` holds the wire format). If nobody
+holds live state (the start of a job, or every holder died), the group's rank 0 first reads the
+newest checkpoint. Every member then reseeds its RNGs for itself, since healing copied the source's. When no member
+holds live state and every member built the same state (the same model from the same seed), no
+state is sent at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unbroken.worker import healing
+from unbroken.worker.randomness import seed_member
+
+if TYPE_CHECKING:
+    from unbroken.worker.runtime import Job
+
+log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
+
+
+class Healer:
+    """Brings the members of a new generation to one state: the job's, or a peer's."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def heal(self, group: Any) -> None:
+        """Heal ``group``'s members; raises :class:`GenerationFailed` if the group breaks meanwhile."""
+        job = self.job
+        statuses = self._exchange_status(group)
+        if job._checkpointing.store is not None and all(fresh for _, fresh, _ in statuses):
+            # Nobody in this generation holds live state (the start of a job, or every holder
+            # died): its rank 0 reads the newest checkpoint and heals the others from it. The
+            # others wait on a store flag, which no collective timeout cuts short.
+            if group.rank == 0:
+                with job._joiner.busy("reading a checkpoint"):
+                    job._checkpointing.resume()
+                group.set_flag("resume-read")
+            else:
+                group.wait_flag("resume-read", "waiting for a checkpoint to be read")
+            statuses = self._exchange_status(group)
+        plan = healing.plan(statuses)
+        if plan.receivers and all(fresh for _, fresh, _ in statuses) and self._same_fresh_state(group):
+            # Every member built its model from the same seed: nothing to copy (the start of a job)
+            job.fresh = False
+            log.info("%s: every member starts from the same state; no heal needed", job.member_id)
+        elif plan.receivers:
+            self._transfer(group, plan)
+        # Healing copied one member's RNG states to the others: give every member its own.
+        seed_member(job.plan.seed, job.next_step, group.rank)
+
+    def _exchange_status(self, group: Any) -> list[tuple[int, bool, int]]:
+        job = self.job
+        row = torch.tensor([job.next_step, int(job.fresh), job._digest], dtype=torch.int64)
+        table = group.allgather_rows(row, "state exchange")
+        return [(int(step), bool(fresh), int(digest)) for step, fresh, digest in table.tolist()]
+
+    def _same_fresh_state(self, group: Any) -> bool:
+        """Whether every member, none of which holds live state, built bit for bit the same one."""
+        mine = healing.state_digest(self.job._state())
+        table = group.allgather_rows(torch.tensor([mine], dtype=torch.int64), "fresh state comparison")
+        return len(set(table.reshape(-1).tolist())) == 1
+
+    def _transfer(self, group: Any, plan: Any) -> None:
+        """Run this member's part of the fan-out (:func:`unbroken.worker.healing.rounds`): receive the
+        state once if behind, then send it on in every later round that names this member."""
+        job = self.job
+        started = time.monotonic()
+        schedule = healing.rounds(plan, group.size)
+        received_from, sent, receivers = None, 0, []
+        for pairs in schedule:
+            for sender, receiver in pairs:
+                if receiver == group.rank:
+                    gpu = job._device if job._device.type == "cuda" else None
+                    state, received = healing.recv_state(group, sender, job._tick, gpu)
+                    job._load(state)
+                    del state
+                    job.fresh = False
+                    received_from = sender
+                    log.info("%s: healed to step %d from %s (%d bytes)", job.member_id, job.next_step, group.members[sender], received)
+                elif sender == group.rank:
+                    # A receiver sends what it loaded: its state now equals the source's bit for bit.
+                    state = job._state()
+                    sent += healing.send_state(group, state, receiver, lambda: job._chaos.point("heal", job.next_step), job._tick)
+                    del state
+                    receivers.append(receiver)
+        if receivers:
+            job.fresh = False
+            job._events.emit(
+                "heal",
+                generation=group.number,
+                sender=job.member_id,
+                receivers=[group.members[r] for r in receivers],
+                received_from=None if received_from is None else group.members[received_from],
+                rounds=len(schedule),
+                step=plan.step,
+                bytes=sent,
+                seconds=time.monotonic() - started,
+            )

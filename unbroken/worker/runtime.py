@@ -1,0 +1,651 @@
+"""The worker runtime: the training-loop API that a user's script calls.
+
+::
+
+    job = unbroken.Job(model, optimizer, dataset, global_batch_size=256, micro_batch_size=64)
+    for step in job.steps(total=500):
+        for x, y in step.micro_batches():
+            step.backward(loss_fn(model(x), y))
+        step.commit()
+
+Under ``unbroken run`` each step follows the protocol of DESIGN.md: the member learns its
+generation from the coordinator (joining and healing when it changed), processes its share of
+the step's fixed global batch, allreduces share-weighted gradients in buckets overlapped with
+backward, and then either commits (optimizer step) or, if the allreduce failed, leaves its
+parameters untouched and redoes the step in the next generation. Run as a plain single process
+(no coordinator in the environment) the same script trains on the whole global batch, which is
+the reference every distributed run must match.
+
+This module holds :class:`Job` (the training objects, the step counter and lineage, and the
+loop); its settings are :class:`~unbroken.worker.runtime_settings.RuntimeSettings`. The rest of the
+work is done by parts of their own: :class:`Step` (:mod:`unbroken.worker.step`), joining a generation
+and keeping its group (:mod:`unbroken.worker.joining`), healing it (:mod:`unbroken.worker.healer`), durable
+checkpoints (:mod:`unbroken.worker.checkpointing`), replica checks (:mod:`unbroken.worker.replica_check`) and
+the sample record (:mod:`unbroken.worker.sample_record`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from unbroken.worker import devices
+
+from unbroken.worker import healing
+
+from unbroken.worker import mixed_precision
+from unbroken.worker.chaos import Chaos
+from unbroken.worker.checkpointing import Checkpointing
+from unbroken.data.data_plan import DataPlan
+from unbroken.errors import ConfigError, GenerationFailed, LoopMisuse
+from unbroken.worker.healer import Healer
+from unbroken.worker.joining import Joiner
+from unbroken.worker.lifetime import ExitGuard
+from unbroken.data.loader import Loader, check_dataset
+from unbroken.worker.replica_check import verify_replicas
+from unbroken.worker.runtime_settings import RuntimeSettings
+from unbroken.worker.sample_record import SampleRecord
+from unbroken.worker.step import Step
+from unbroken.observe.events import RUN_DIR_ENV, EventLog
+
+if TYPE_CHECKING:
+    from unbroken.storage.checkpoint import CheckpointSettings
+
+
+def _check_dataset(dataset: Any) -> int:
+    """The data set's length; a ConfigError naming what to do if it is not map-style."""
+    return check_dataset(dataset)
+
+
+class Job:
+    """A training job whose steps survive the loss of members.
+
+    Args:
+        model: the module to train; every member builds the same architecture.
+        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        dataset: a map-style data set (``len()`` and indexing); not an ``IterableDataset``.
+        global_batch_size: samples per step over all members, fixed whatever the member count.
+        micro_batch_size: largest batch one forward/backward sees (default: the global batch).
+        seed: seeds the sample order (one permutation per epoch).
+        scheduler: an optional learning-rate scheduler, stepped after each commit.
+        collate_fn: turns a list of samples into a batch (default: ``default_collate``).
+        num_workers: DataLoader worker processes that load the micro-batches of the next steps
+            ahead (default 0: each micro-batch is loaded in the training thread when needed).
+        prefetch: micro-batches in flight per loader worker (default 2); needs ``num_workers``.
+        pin_memory: return batches in page-locked memory, for a fast copy to a GPU.
+        worker_init_fn: called with the worker id in each loader worker as it starts (open files
+            there); randomness is seeded per sample from (seed, stream position), not here.
+        extra_state: any object with ``state_dict``/``load_state_dict`` healed with the model.
+        scaler: a ``torch.amp.GradScaler`` for fp16 mixed precision: ``step.backward`` scales
+            each loss, ``step.commit`` unscales the reduced gradients, skips the step on inf/nan
+            (on every member alike) and updates the scale; healed and checkpointed with the model
+            (see :mod:`unbroken.worker.mixed_precision`). Pass losses unscaled.
+        settings: runtime settings (default: from the environment ``unbroken run`` sets).
+        checkpoint: durable checkpoints (default: from ``UNBROKEN_CHECKPOINT_*``, which
+            ``unbroken run --checkpoint-dir/--checkpoint-every`` set): where, how often, how many.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        seed: int = 0,
+        scheduler: Any = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        prefetch: int | None = None,
+        pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
+        extra_state: Any = None,
+        scaler: Any = None,
+        settings: RuntimeSettings | None = None,
+        checkpoint: "CheckpointSettings | None" = None,
+    ) -> None:
+        self.settings = settings or RuntimeSettings.from_env()
+        self.distributed = self.settings.coordinator is not None
+        self._group = self._replica_group()
+        plan_args = (
+            _check_dataset(dataset),
+            global_batch_size,
+            global_batch_size if micro_batch_size is None else micro_batch_size,
+            seed,
+        )
+        if self._group is not None and self._group.grouped:
+            from unbroken.replica_groups.sharding import ProcessPlan
+
+            self.plan: DataPlan = ProcessPlan(*plan_args, self._group.size, self._group.rank)
+        else:
+            self.plan = DataPlan(*plan_args)
+        self.model = model
+        self.optimizer = optimizer
+        self._committing = False
+        """True while :meth:`Step.commit` steps the optimizer: its only rightful caller."""
+        self._left_on_error = False
+        """Set by a framework's loop that leaves job.steps() because of an error (never a stop)."""
+        self._inputs_checked = False
+        """Whether this process's first micro-batch was followed into the model (:mod:`unbroken.worker.input_check`)."""
+        self._in_loop_body = False
+        """True while the script's loop body runs a step: there, only :meth:`Step.commit` may step
+        the optimizer (unbroken's own loads may, between steps: DCP initialises optimizer state
+        with a step of zero gradients)."""
+        previous = getattr(optimizer, "_unbroken_step_hook", None)
+        if previous is not None:  # one job at a time watches an optimizer: the newest
+            previous.remove()
+        optimizer._unbroken_step_hook = optimizer.register_step_pre_hook(self._check_optimizer_step)
+        self._watch_zero_grad(optimizer)
+        self.dataset = dataset
+        self.scheduler = scheduler
+        self.extra_state = extra_state
+        mixed_precision.check_scaler(scaler, model)
+        self.scaler = scaler
+        self.collate_fn = collate_fn
+        self._loader = Loader(
+            dataset, self.plan, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
+            collate_fn=collate_fn, worker_init_fn=worker_init_fn,
+        )
+        self._choose_backend(model)
+        self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
+        if self._group is not None and self._group.rank > 0:
+            self.member_id = f"{self.member_id}.p{self._group.rank}"  # the group's member is process 0
+        self._init_progress()
+        self._joiner = Joiner(self)
+        self._ticks = 0  # progress: micro-batches, backwards, collectives entered (see _progress)
+        self._generation_floor = 0  # the generation of a checkpoint resumed from
+        self._chaos = Chaos.from_env()
+        run_dir = self.settings.run_dir or os.environ.get(RUN_DIR_ENV)
+        self.run_dir = run_dir
+        self._events = EventLog.for_run_dir(run_dir if self.distributed else None, f"worker:{self.member_id}")
+        self._samples = SampleRecord(bool(self.settings.record_samples and run_dir), run_dir, self.member_id)
+        from unbroken.storage.checkpoint import CheckpointSettings
+
+        self.checkpoint = checkpoint or CheckpointSettings.from_env()
+        self._checkpointing = Checkpointing(self)
+        self._healer = Healer(self)
+        self._reducer = None
+        self._grad_events = 0  # gradient accumulations seen by a single process's hooks
+        self._buffers = [b for b in model.buffers() if b.numel()]
+        self._watch_gradients(model)
+        from unbroken.worker.leader_calls import LeaderCalls
+
+        self._leader_calls = LeaderCalls(
+            lambda: self._joiner.group, self._rejoin, self._joiner.busy, lambda: self.next_step, self._device,
+            self.settings.collective_timeout,
+        )
+        self._started_generation = 0  # the generation whose first step passed first_step_barrier
+        self._current_step: Step | None = None
+        self._default_group = None
+        if self.distributed and self._group is None and self.settings.default_group:
+            from unbroken.worker.default_group import DefaultGroup
+
+            self._default_group = DefaultGroup(self._script_collective_failed)
+
+    def _replica_group(self) -> Any:
+        """The replica group this process is in (:func:`unbroken.group_mesh` made it), or None."""
+        from unbroken.worker import group_member
+
+        group = group_member.current()
+        if group is None and self.distributed and group_member.GroupSettings.from_env().size > 1:
+            raise ConfigError(
+                "this process is one of a replica group (unbroken run --group-size), but the script did not call"
+                " unbroken.group_mesh(): call it before building the model and shard the model over the mesh it"
+                " returns (fully_shard(..., mesh=mesh)); see examples/train_fsdp.py"
+            )
+        return group
+
+    def _init_progress(self) -> None:
+        """Where this member stands: no step committed, no generation joined, no live state."""
+        self.next_step = 0
+        self.lineage: list[int] = []
+        self._digest = 0  # healing.lineage_digest(self.lineage), kept up to date
+        self.fresh = True
+        self.generation = 0
+        self.member_index = 0
+        self.member_count = 1
+        self.replica_hash: str | None = None
+        self.total: int | None = None
+        self.stop_reason: str | None = None
+        """Why the job ends before ``total`` (:meth:`stop`, or the loop left with ``break``)."""
+
+    def _choose_backend(self, model: torch.nn.Module) -> None:
+        """The model's device and, in a distributed job, the backend its groups use."""
+        self._device = devices.model_device(model)
+        if self._device.type == "cuda":
+            # On this (the main) thread, before anything touches CUDA: the current device is where
+            # snapshots, events and new tensors go (a worker with LOCAL_RANK 1 waited on cuda:0).
+            torch.cuda.set_device(self._device)
+        self.backend = devices.choose_backend(self.settings.backend, self._device) if self.distributed else "none"
+        if self.distributed:
+            devices.check_assigned(self._device)
+            from unbroken.worker.group import set_transport
+
+            if self.backend == "nccl":
+                from unbroken.worker.nccl import prepare_environment
+
+                prepare_environment(self.settings.collective_timeout)  # before this process's first NCCL group
+            set_transport(self.backend, self._device)
+
+    def _watch_gradients(self, model: torch.nn.Module) -> None:
+        """Distributed: a reducer that allreduces gradients as they become final. Alone: a hook
+        that counts them (to tell step.backward's gradients from any other backward's)."""
+        if self.distributed:
+            from unbroken.worker.gradients import GradientReducer
+
+            params = [p for p in model.parameters() if p.requires_grad]
+            if not params:
+                raise ConfigError("the model has no parameters that require gradients")
+            self._reducer = GradientReducer(params, int(self.settings.bucket_cap_mb * (1 << 20)))
+        else:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._count_grad)
+
+    # -- what the script sees ------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the member at index 0 of the current generation (and in a single process)."""
+        return self.member_index == 0
+
+    def _check_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Refuse ``optimizer.step()`` called by the script: the update must wait for the reduce,
+        or members apply their own share's gradients and the replicas drift apart."""
+        if self._in_loop_body and not self._committing:
+            raise LoopMisuse(
+                f"step {self.next_step}: optimizer.step() was called by the script; step.commit() steps the optimizer"
+                " (and the scheduler, and zero_grad) once the gradients are reduced over every member: call"
+                " step.commit() instead")
+
+    def on_leader(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once, on the leader, and return its result on every member.
+
+        Call it on every member at the same point of the loop, after a commit (an evaluation
+        every 100 steps, a log line, a ``torch.save``). The leader runs ``fn``; the others wait
+        for its result without a collective timeout and are never taken for stuck, however long
+        ``fn`` takes, up to ``--busy-timeout`` (default an hour). The result (plain data: numbers,
+        strings, lists, dicts, tensors) is returned on every member, so what the script derives
+        from it (a best loss, ``job.stop(...)``) is the same everywhere. If the leader dies inside
+        ``fn`` the survivors re-form and the new leader runs it again; if ``fn`` raises, the
+        leader raises the error and every other member :class:`~unbroken.errors.LeaderCallFailed`
+        naming it. In a single process it is ``fn(*args, **kwargs)``."""
+        if not self.distributed:
+            return fn(*args, **kwargs)
+        return self._leader_calls.run(fn, args, kwargs)
+
+    def _script_collective_failed(self, error: GenerationFailed) -> None:
+        """A collective of the script's own on torch.distributed's default group failed (a member
+        was lost): inside a step, before its reduce, the step is redone in the next generation
+        (the collective returns, its output undefined, and the reduce fails); elsewhere, raise."""
+        step = self._current_step
+        if self._in_loop_body and step is not None and not step.committed:
+            step._stale = step._stale or str(error)  # the reduce (or the commit) fails on it
+            return
+        where = f"after step {step.index}'s commit" if step is not None else "outside the training loop"
+        raise GenerationFailed(
+            f"{error}: a collective of the script's own on torch.distributed's default group failed {where}, where it"
+            " cannot be redone; make it inside the step, before step.commit(), where a failure is redone"
+            " with the step, or use job.on_leader for work the leader does alone") from None
+
+    def _rejoin(self, reason: str | None) -> bool:
+        """Leave the broken generation (for ``reason``) and join the next, inside the loop body
+        (an :meth:`on_leader` call whose leader died); False if the job finished meanwhile."""
+        if reason is not None and self._joiner.group is not None:
+            self._abandon(reason)
+        while self._joiner.group is None:
+            if not self._joiner.join():
+                return False
+        return True
+
+    def _watch_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse ``optimizer.zero_grad()`` between a step's first ``step.backward`` and its
+        commit: it would drop gradients the reduce needs (torch has no hook for it, so the
+        optimizer's own method is wrapped, once)."""
+        original = getattr(optimizer, "_unbroken_zero_grad", None) or optimizer.zero_grad
+        optimizer._unbroken_zero_grad = original
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            step = self._current_step
+            if (self._in_loop_body and step is not None and step._backwards and not self._committing
+                    and not (step.committed or step.failed or step.stopped)):
+                raise LoopMisuse(
+                    f"step {step.index}: optimizer.zero_grad() was called by the script after step.backward and before"
+                    " step.commit(); it would drop gradients the reduce needs. step.commit() zeroes them after the"
+                    " optimizer step: remove the call (or make it before the step's first step.backward)")
+            return original(*args, **kwargs)
+
+        optimizer.zero_grad = zero_grad
+
+    def stop(self, reason: str = "stopped by the script") -> None:
+        """End the job early, for every member, at one step boundary: call it on any member (an
+        early-stopping rule on the leader, say). The request travels with the next step's
+        gradient reduce, so every member learns of it at the same point: that step is not
+        committed, and :meth:`steps` ends at the boundary before it, after the final replica
+        check and the final checkpoint, as at a normal end. The launcher exits 0 and the job is
+        recorded as finished, with ``reason``. In a single process the loop ends at the next
+        boundary."""
+        if self.stop_reason is None:
+            self.stop_reason = str(reason)
+
+    def steps(self, total: int) -> Iterator[Step]:
+        """Yield steps ``next_step .. total-1``; each must end in :meth:`Step.commit` (done for you
+        if the loop body does not). A step whose allreduce failed is yielded again."""
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ConfigError(f"total must be a non-negative integer number of steps, got {total!r}")
+        self.total = total
+        if not self.distributed:
+            yield from self._steps_alone(total)
+        else:
+            yield from self._steps_together(total)
+
+    def _steps_alone(self, total: int) -> Iterator[Step]:
+        """A single process: every step commits; the reference every distributed run must match."""
+        self._loader.start(total)
+        try:
+            self._checkpointing.open(resume=self.fresh)
+            while self.next_step < total and self.stop_reason is None:
+                step = self._current_step = Step(self, self.next_step)
+                try:
+                    self._in_loop_body = True
+                    yield step
+                except GeneratorExit:
+                    step.untrack()
+                    self._in_loop_body = False
+                    if step.committed or step.untouched:  # a break at a boundary: the job ends here, as at a normal end
+                        if step.committed:  # (an untouched step may still be used: the test idiom next(iter(job.steps())))
+                            self.stop(f"the script left the loop after step {step.index}")
+                        self._checkpointing.final()
+                    return
+                self._in_loop_body = False
+                step.untrack()
+                step.commit()
+                self._checkpointing.maybe_save()
+            self._checkpointing.final()
+        finally:
+            self._loader.close()
+
+    def _left_together(self) -> bool:
+        """The loop was left at a step boundary (a ``break`` after a step's commit, or at the top
+        of the next step before any micro-batch; or an exception there): True once every member
+        of the generation left at the same boundary and the job ended there together, as at a
+        normal end. Who else left is counted in the generation's store, never by a collective: a
+        peer that went on waits in the next allreduce, and a collective it does not expect would
+        mismatch its own. False when this member left alone (within a few seconds): it then
+        leaves the job unfinished, as before."""
+        group = self._joiner.group
+        if group is None:
+            return False
+        bound = min(10.0, self.settings.collective_timeout / 3)
+        last = self.next_step - 1
+        with self._joiner.busy("leaving the training loop"):
+            together = group.all_arrive(f"left/{self.next_step}", bound)
+        if not together:
+            print(f"unbroken: {self.member_id}: left the training loop after step {last}, but not every member did"
+                  f" within {bound:.0f} s; this member leaves the job unfinished (to stop the job from one member, call"
+                  " job.stop(reason) and let the loop end)", file=sys.stderr, flush=True)
+            return False
+        self.stop(f"the script left the loop after step {last}")
+        return self._finish()
+
+    def _finish(self) -> bool:
+        """The end of the job, at this step boundary, for every member together: the final
+        replica check, then the final checkpoint (each a decision of a replica group as a whole,
+        so that a process whose check failed never leaves the others half-way into a save)."""
+        return (self._together(verify_replicas(self), "could not compare replicas")
+                and self._together(self._checkpointing.final_together(), "could not finish"))
+
+    def _steps_together(self, total: int) -> Iterator[Step]:
+        """Under a coordinator: join, heal, step, commit or redo, until every member is at ``total``."""
+        finished = stopping = False
+        self._loader.start(total)  # forks the loader workers before any thread of the runtime runs
+        self._joiner.start()
+        # Whether to resume from a checkpoint is decided when a generation forms (see Healer.heal).
+        self._checkpointing.open(resume=False)
+        try:
+            while True:
+                if self._joiner.group is None:
+                    if not self._joiner.join():
+                        finished = True
+                        break
+                    continue
+                if self.next_step >= total or (self.stop_reason is not None and stopping):
+                    if self._finish():
+                        finished = True
+                        break
+                    continue
+                reason = self._abandon_reason(self.generation)
+                if not reason:
+                    try:
+                        self._chaos.point("step", self.next_step)
+                    except GenerationFailed as exc:
+                        reason = str(exc)
+                if not self._together(not reason, f"left generation {self.generation}"):
+                    if reason:
+                        self._abandon(reason)
+                    continue
+                if not self._first_step_barrier():
+                    continue
+                step = self._current_step = Step(self, self.next_step)
+                try:
+                    self._in_loop_body = True
+                    yield step
+                except GeneratorExit:
+                    step.untrack()
+                    self._in_loop_body = False
+                    # The loop body left: a break, or an exception. After the step's commit, when
+                    # every member left after the same step, the job ends here as at a normal end;
+                    # otherwise this member leaves unfinished, as it always did.
+                    if (step.committed or step.untouched) and not self._left_on_error and self._left_together():
+                        finished = True
+                        return
+                    raise
+                self._in_loop_body = False
+                step.untrack()
+                if not step.committed and not step.failed:
+                    step.commit()
+                if step.stopped:
+                    stopping = True  # every member saw the request in this reduce: end at this boundary
+                    continue
+                if step.failed:
+                    self._abandon(str(step.error))
+                    continue
+                if self._joiner.group is None or self._joiner.group.number != step.generation:
+                    continue  # re-formed inside the body (on_leader's leader died): the new generation starts at its first step
+                self._checkpointing.maybe_save()
+                if step.reconfigure:
+                    self._joiner.close_group()
+                elif self.settings.verify_every and self.next_step % self.settings.verify_every == 0 and self.next_step < total:
+                    self._together(verify_replicas(self), "could not compare replicas")
+        finally:
+            self._stop(finished)
+
+    def _first_step_barrier(self) -> bool:
+        """Before the first step of each generation, wait until every member is at its start
+        (see :func:`unbroken.worker.leader_calls.first_step_barrier`); False if the generation broke."""
+        group = self._joiner.group
+        if group.number == self._started_generation:
+            return True
+        from unbroken.worker.leader_calls import first_step_barrier
+
+        reason = None
+        try:
+            first_step_barrier(group, self.next_step)
+        except GenerationFailed as exc:
+            reason = str(exc)
+        if not self._together(reason is None, f"left generation {group.number} at its first step"):
+            if reason:
+                self._abandon(reason)
+            return False
+        self._started_generation = group.number
+        return True
+
+    def _vote(self, ok: bool, generation: int, extra: list[float] | None = None) -> tuple[bool, list[float]]:
+        """Whether every process of this member is ``ok`` in ``generation`` and holds the same
+        next step, lineage and freshness, with the sums of ``extra`` over them: a replica group's
+        vote (:meth:`GroupMember.vote`); alone or as a plain member, this process's own ``ok``
+        and ``extra``. Every decision a group takes goes through here, so its processes can
+        never train, commit or save from different steps."""
+        if self._group is None:
+            return ok, list(extra or [])
+        return self._group.vote(ok, generation, extra, state=self._state_key())
+
+    def _state_key(self) -> tuple[int, int, bool]:
+        """What the processes of a replica group must agree on: next step, lineage, freshness."""
+        return self.next_step, self._digest, self.fresh
+
+    def _together(self, ok: bool, what: str) -> bool:
+        """Whether every process of this member is ok (:meth:`_vote`); one that is ok while another
+        of its replica group is not leaves the generation with it, so that the group's processes
+        always run the same collectives (each judges the generation on its own view, and process
+        0's view reaches the others a few milliseconds later)."""
+        agreed, _ = self._vote(ok, self.generation)
+        if ok and not agreed and self._joiner.group is not None:
+            self._abandon(f"another process of this replica group {what}")
+        return agreed
+
+    # -- data and progress ---------------------------------------------------------------------
+
+    def _batch(self, step: Step, micro: int) -> Any:
+        """Micro-batch ``micro`` of this member's share of ``step`` (see :mod:`unbroken.data.loader`)."""
+        return self._loader.get(step.index, step.rank, step.members, micro)
+
+    def _count_grad(self, _: torch.Tensor) -> None:
+        self._grad_events += 1
+
+    def _grad_count(self) -> int:
+        """Gradient accumulations so far (to tell step.backward's from any other backward)."""
+        return self._reducer.ticks if self._reducer is not None else self._grad_events
+
+    def _progress(self) -> int:
+        """A counter that moves whenever this member works on a step: micro-batches, backwards,
+        gradients that became final, collectives entered, state sent. Read by the heartbeat
+        thread; the coordinator's watchdog fences only a member whose counter stopped."""
+        return self._ticks + (self._reducer.ticks if self._reducer is not None else 0)
+
+    def _tick(self) -> None:
+        self._ticks += 1
+
+    # -- the training state ----------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        if self._group is not None:
+            from unbroken.replica_groups.sharding import local_state_shards
+
+            # A replica group: this process's shards only; process j of another group holds the same ones.
+            model: Any = local_state_shards(self.model, self.optimizer)
+            optimizer: Any = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        return {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
+            "runtime": {"next_step": self.next_step, "lineage": list(self.lineage)},
+            "plan": {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len},
+            "rng": healing.rng_state(self._device),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        mine = {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len}
+        if state["plan"] != mine:
+            raise ConfigError(f"members disagree on the data plan: peer has {state['plan']}, this member {mine}")
+        if self._group is not None:
+            from unbroken.replica_groups.sharding import load_local_state_shards
+
+            load_local_state_shards(self.model, self.optimizer, state["model"])
+            for group, saved in zip(self.optimizer.param_groups, state["optimizer"]):
+                group.update(saved)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.extra_state is not None and state["extra"] is not None:
+            self.extra_state.load_state_dict(state["extra"])
+        self.next_step = state["runtime"]["next_step"]
+        self.lineage = list(state["runtime"]["lineage"])
+        self._digest = healing.lineage_digest(self.lineage)
+        if self.scaler is not None and state.get("scaler"):  # absent from older states
+            self.scaler.load_state_dict(state["scaler"])
+        healing.set_rng_state(state["rng"], self._device)
+        if self._joiner.heartbeat is not None:
+            self._joiner.heartbeat.step = self.next_step
+
+    def _committed(self, step: Step) -> None:
+        self.next_step = step.index + 1
+        self._checkpointing.last_step_seconds = time.monotonic() - step.started
+        self.lineage.append(step.generation)
+        self._digest = healing.extend_digest(self._digest, step.generation)
+        self.fresh = False
+        self._samples.commit(step, self._digest)
+        heartbeat = self._joiner.heartbeat
+        if heartbeat is not None:
+            heartbeat.step = self.next_step
+            heartbeat.warm = True
+        if self._events.enabled and self.member_index == 0 and (self._group is None or self._group.leader):
+            self._events.emit(
+                "step",
+                step=step.index,
+                generation=step.generation,
+                members=step.members,
+                seconds=time.monotonic() - step.started,
+                loss=step.loss,
+                samples=self.plan.global_batch_size,
+                total=self.total,
+            )
+
+    # -- the generation ------------------------------------------------------------------------
+
+    def _abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
+        """Why generation ``number`` no longer holds for this member (see :meth:`Joiner.abandon_reason`)."""
+        return self._joiner.abandon_reason(number, for_commit)
+
+    def _abandon(self, reason: str) -> None:
+        # Park (and, for NCCL, abort) the broken group first, then replace the gradient buffers:
+        # the new ones are allocated after the old ones were let go, so that bucket memory is not
+        # doubled at the worst moment (Gloo's pending work still holds the old ones until the
+        # graveyard releases it: docs/guide/gpus.md gives that peak).
+        self._checkpointing.failure()
+        self._joiner.abandon(reason)
+        if self._reducer is not None:
+            self._reducer.renew_buffers()
+
+    def _stop(self, finished: bool) -> None:
+        if self._default_group is not None:
+            self._default_group.leave()
+        if self._group is not None:
+            self._group.stop()
+        if finished:
+            self._samples.write_lineage(self.lineage, self.replica_hash, self.next_step)
+        self._joiner.leave(finished)
+        self._samples.close()
+        self._loader.close()
+        self._joiner.close_group()
+        ExitGuard.finished = finished
+
+    # Read by tests and the integration scripts, under the names they had before the split.
+
+    @property
+    def _client(self) -> Any:
+        return self._joiner.client
+
+    @_client.setter
+    def _client(self, client: Any) -> None:
+        self._joiner.client = client
+
+    @property
+    def _graveyard(self) -> Any:
+        return self._joiner.graveyard
+
+    @property
+    def _saver(self) -> Any:
+        return self._checkpointing.saver
