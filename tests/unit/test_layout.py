@@ -74,3 +74,28 @@ def test_no_module_is_longer_than_the_limit():
     long = {str(p.relative_to(PACKAGE)) for p in _modules() if len(p.read_text().splitlines()) > LONGEST}
     assert long <= TOO_LONG_FOR_NOW, f"above {LONGEST} lines: {sorted(long - TOO_LONG_FOR_NOW)}; split them"
     assert TOO_LONG_FOR_NOW <= long, f"now short enough, take them off the list: {sorted(TOO_LONG_FOR_NOW - long)}"
+
+
+def test_the_former_module_paths_import_the_same_modules_with_a_warning():
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, importlib\n"
+        "from unbroken._moved import MOVED\n"
+        "for old, new in MOVED.items():\n"
+        "    if old == 'demo_train': continue  # a script: importing it trains\n"
+        "    with warnings.catch_warnings(record=True) as seen:\n"
+        "        warnings.simplefilter('always')\n"
+        "        module = importlib.import_module('unbroken.' + old)\n"
+        "    assert module is importlib.import_module('unbroken.' + new), old\n"
+        "    assert module.__name__ == module.__spec__.name == 'unbroken.' + new, old\n"
+        "    assert any(w.category is DeprecationWarning and 'unbroken.' + new in str(w.message) for w in seen), old\n"
+        "from unbroken.coordinator import Coordinator, CoordinatorSettings\n"
+        "from unbroken.replica_groups import sum_gradients, process_micro_batches\n"
+        "from unbroken.devices import local_device\n"
+        "print(len(MOVED))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) > 40
