@@ -27,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from benchmarks.common import save_results, seconds  # noqa: E402
-from tests.integration import etcd, harness  # noqa: E402
+from testbed import etcd, harness  # noqa: E402
 
 HEARTBEAT_TIMEOUT = 2.0
 
@@ -91,10 +91,9 @@ def restart_trial(directory: str) -> dict[str, float]:
     it serves, and until its members commit again in a generation it formed."""
     import pathlib
 
-    from tests.integration.test_hangs import coordinator
 
     base = pathlib.Path(directory)
-    coord, address = coordinator(base, "--expected-members", "3", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT))
+    coord, address = harness.coordinator(base, "--expected-members", "3", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT))
     port = address.rsplit(":", 1)[1]
     node_dir = str(base / "node")
     node = _start(["run", "--run-dir", node_dir, "--coordinator", address, "--nproc-per-node", "3",

@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.common import save_results, seconds  # noqa: E402
 
-from tests.integration import netns  # noqa: E402
-from tests.integration.harness import wait_for  # noqa: E402
+from testbed import netns  # noqa: E402
+from testbed.harness import wait_for  # noqa: E402
 from unbroken.observe.events import read_events  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "train_bench.py")

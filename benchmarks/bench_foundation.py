@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.common import save_results  # noqa: E402
 
-from tests.integration.harness import wait_for  # noqa: E402
+from testbed.harness import wait_for  # noqa: E402
 from unbroken.observe.events import read_events  # noqa: E402
 
 

@@ -36,7 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.common import exit_with_parent, nbytes, run_spawned, save_results  # noqa: E402
+from benchmarks.common import nbytes, save_results  # noqa: E402
+from testbed.processes import exit_with_parent, run_spawned  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -25,8 +25,8 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.common import save_results, seconds  # noqa: E402
 
-from tests.integration import harness  # noqa: E402
-from tests.integration.conftest import GLOBAL  # noqa: E402
+from testbed import harness  # noqa: E402
+from testbed.harness import GLOBAL  # noqa: E402
 
 FAST = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "1", "--progress-timeout", "1.5", "--collective-timeout", "2"]
 STEPS, EVERY = 12, 4

@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.common import save_results, seconds  # noqa: E402
 
-from tests.integration import harness  # noqa: E402
+from testbed import harness  # noqa: E402
 
 HEARTBEAT_INTERVAL = 0.5
 

@@ -24,16 +24,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.common import save_results, seconds  # noqa: E402
-from tests.integration import harness  # noqa: E402
-from tests.integration.test_hangs import coordinator, start  # noqa: E402
+from testbed import harness  # noqa: E402
 
 
 def trial(directory: pathlib.Path, heartbeat_timeout: float) -> dict[str, float]:
-    coord, address = coordinator(directory, "--expected-members", "3", "--heartbeat-timeout", str(heartbeat_timeout))
+    coord, address = harness.coordinator(directory, "--expected-members", "3", "--heartbeat-timeout", str(heartbeat_timeout))
     coord_run = harness.Run(0, "", "", str(directory / "coord"))
     procs = {}
     for name, count in (("a", "2"), ("b", "1")):
-        procs[name] = start(["run", "--run-dir", str(directory / name), "--coordinator", address, "--node-name", name,
+        procs[name] = harness.start_in(["run", "--run-dir", str(directory / name), "--coordinator", address, "--node-name", name,
                              "--nproc-per-node", count, "--heartbeat-timeout", str(heartbeat_timeout), "--record-samples",
                              harness.EXACT, "--steps", "100000", "--step-delay", "0.02"], str(directory))
     try:

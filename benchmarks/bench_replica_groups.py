@@ -41,7 +41,8 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.common import exit_with_parent, processes_naming, run_spawned, save_results  # noqa: E402
+from benchmarks.common import save_results  # noqa: E402
+from testbed.processes import exit_with_parent, processes_naming, run_spawned  # noqa: E402
 
 SCRIPT = os.path.join(HERE, "fsdp_step.py")
 GROUP_SIZE = 2

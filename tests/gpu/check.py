@@ -46,7 +46,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 
 import torch  # noqa: E402
 
-from tests.integration import harness  # noqa: E402
+from testbed import harness  # noqa: E402
 
 STEPS, GLOBAL = 24, 24
 results = {}

@@ -1,9 +1,9 @@
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 
 STEPS = 40
-GLOBAL = 24
+GLOBAL = harness.GLOBAL
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tests.integration import harness
+from testbed import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

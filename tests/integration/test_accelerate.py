@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from tests.integration import example_runs, harness
+from testbed import harness
+from tests.integration import example_runs
 from tests.needs import module
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

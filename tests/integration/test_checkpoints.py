@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 from tests.integration.conftest import GLOBAL, STEPS
 from unbroken.storage.checkpoint import CheckpointStore
 

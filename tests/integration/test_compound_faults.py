@@ -5,7 +5,8 @@ the model of a single process. ``python tests/soak/compound.py`` runs many more 
 
 import pytest
 
-from tests.integration import compound, harness
+from testbed import harness
+from tests.integration import compound
 from tests.integration.conftest import GLOBAL, STEPS
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

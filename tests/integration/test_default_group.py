@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from tests.integration import harness
-from tests.integration.conftest import GLOBAL
+from testbed import harness
+from testbed.harness import GLOBAL
 from tests.needs import module
 
 pytestmark = [pytest.mark.slow]

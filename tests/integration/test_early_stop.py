@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tests.integration import harness
-from tests.integration.conftest import GLOBAL
+from testbed import harness
+from testbed.harness import GLOBAL
 from unbroken.storage.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.slow

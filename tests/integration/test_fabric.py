@@ -4,7 +4,8 @@ model of a single process in float64."""
 
 import pytest
 
-from tests.integration import example_runs, harness
+from testbed import harness
+from tests.integration import example_runs
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ exactly-once check and equals a single process.
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 from tests.integration.conftest import GLOBAL, STEPS
 from tests.integration.test_checkpoints import start_and_kill_all
 from unbroken.storage.checkpoint import CheckpointStore

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 from unbroken.store_keys import key_tag
 
 pytestmark = pytest.mark.slow

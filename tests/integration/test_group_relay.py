@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration import harness
+from testbed import harness
 from unbroken.replica_groups.group_relay import EXIT_PEER_SILENT
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration import etcd, harness, netns
+from testbed import etcd, harness, netns
 from tests.integration.conftest import GLOBAL, STEPS
 from tests.needs import needs
 

@@ -3,11 +3,10 @@
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 from tests.integration.conftest import GLOBAL, STEPS
 from tests.integration.test_survival import check_same_model_and_replicas
 
@@ -15,11 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 
-def start(argv, run_dir, env=None):
-    return subprocess.Popen(
-        [sys.executable, "-m", "unbroken", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True, cwd=run_dir, env={**os.environ, **(env or {})},
-    )
+start = harness.start_in
 
 
 def finish(proc, run_dir, timeout=180):
@@ -92,11 +87,7 @@ def test_a_worker_stuck_in_its_training_loop_is_evicted_and_the_others_continue(
     check_same_model_and_replicas(run, reference)
 
 
-def coordinator(tmp_path, *flags):
-    proc = start(["coordinator", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(tmp_path / "coord"), *flags], str(tmp_path))
-    line = proc.stdout.readline()
-    assert "listening on" in line, line
-    return proc, line.split("listening on ")[1].split()[0]
+coordinator = harness.coordinator
 
 
 def node(tmp_path, address, name, *args):

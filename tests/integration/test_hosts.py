@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.integration import harness, netns
+from testbed import harness, netns
 from tests.integration.conftest import GLOBAL, STEPS
 from tests.needs import needs
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 from unbroken.data.data_plan import DataPlan
 
 pytestmark = pytest.mark.slow

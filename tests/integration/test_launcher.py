@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from tests.integration import harness
-from tests.integration.conftest import GLOBAL
+from testbed import harness
+from testbed.harness import GLOBAL
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from tests.integration import harness
-from tests.integration.conftest import GLOBAL
+from testbed import harness
+from testbed.harness import GLOBAL
 
 pytestmark = pytest.mark.slow
 

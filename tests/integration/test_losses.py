@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

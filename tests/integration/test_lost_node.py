@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 from tests.integration.conftest import GLOBAL, STEPS
 from tests.integration.test_hangs import coordinator, finish, start
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

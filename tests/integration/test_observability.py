@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration import etcd
+from testbed import etcd
 from tests.needs import require
 from unbroken.coordinator.replicated import EtcdGateway, Leadership, LeadershipSettings, NotLeader
 
@@ -162,7 +162,7 @@ def _candidate(tmp_path, name, endpoints, *flags):
 
 
 def test_the_leading_coordinator_killed_the_others_take_over_and_training_goes_on(tmp_path, reference):
-    from tests.integration import harness
+    from testbed import harness
     from tests.integration.conftest import GLOBAL, STEPS
     from tests.integration.test_hangs import finish, start
 

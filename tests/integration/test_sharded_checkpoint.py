@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration import harness
+from testbed import harness
 from unbroken.data.data_plan import DataPlan
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@ step 0; the run still equals a single process."""
 
 import pytest
 
-from tests.integration import harness
+from testbed import harness
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.integration import harness
+from testbed import harness
 from tests.integration.conftest import GLOBAL, STEPS
 
 pytestmark = pytest.mark.slow

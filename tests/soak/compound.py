@@ -18,7 +18,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests.integration import compound, harness  # noqa: E402
+from testbed import harness  # noqa: E402
+from tests.integration import compound
 
 STEPS, GLOBAL = 40, 24
 

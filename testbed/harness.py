@@ -1,4 +1,4 @@
-"""Running real jobs from tests: bounded, and leaving no process behind whatever happens."""
+"""Running real jobs from tests and benchmarks: bounded, and leaving no process behind whatever happens."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import exit_with_parent  # noqa: E402,F401  (for spawned test workers too)
-from benchmarks.common import processes_naming as _processes_of
+from testbed.processes import exit_with_parent  # noqa: F401  (for spawned test workers too)
+from testbed.processes import processes_naming as _processes_of
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+GLOBAL = 24
+"""The global batch size of the test script (train_exact.py) by default."""
 EXACT = os.path.join(SCRIPTS, "train_exact.py")
 
 
@@ -119,6 +121,24 @@ def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
         [sys.executable, "-m", "unbroken", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, text=True, start_new_session=True, env={**os.environ, **(env or {})},
     )
+
+
+def start_in(argv: list[str], cwd: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``unbroken ARGV...`` in the background from ``cwd`` (its own session; stdout and stderr
+    captured apart, as text)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "unbroken", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, cwd=cwd, env={**os.environ, **(env or {})},
+    )
+
+
+def coordinator(directory, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``unbroken coordinator`` alone on 127.0.0.1 (a free port, its events in DIRECTORY/coord);
+    returns the process and the address it listens on. End it with ``os.killpg``."""
+    proc = start_in(["coordinator", "--host", "127.0.0.1", "--port", "0", "--run-dir", os.path.join(str(directory), "coord"), *flags], str(directory))
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    return proc, line.split("listening on ")[1].split()[0]
 
 
 def stop(procs: list[subprocess.Popen | None], run_dirs: list[str]) -> list[int]:
