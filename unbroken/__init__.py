@@ -10,11 +10,35 @@ from typing import TYPE_CHECKING, Any
 from unbroken import _moved
 
 __version__ = "0.1.0"
-__all__ = ["Job", "Step", "RuntimeSettings", "RandomWindows", "ScriptState", "group_mesh", "sample_rng", "sample_seed", "__version__"]
+_PUBLIC = {
+    "Job": "unbroken.worker.runtime",
+    "Step": "unbroken.worker.runtime",
+    "RuntimeSettings": "unbroken.worker.runtime",
+    "ScriptState": "unbroken.worker.script_state",
+    "group_mesh": "unbroken.worker.group_member",
+    "local_device": "unbroken.worker.devices",
+    "RandomWindows": "unbroken.data.windows",
+    "ShardedArrays": "unbroken.data.shards",
+    "sample_rng": "unbroken.data.loader",
+    "sample_seed": "unbroken.data.loader",
+    "current_sample": "unbroken.data.loader",
+    "SampleInfo": "unbroken.data.loader",
+    "CheckpointSettings": "unbroken.storage.checkpoint",
+    "sum_gradients": "unbroken.replica_groups.sharding",
+    "read_events": "unbroken.observe.events",
+}
+"""Each public name, and the module that defines it (loaded when the name is first used)."""
+
+__all__ = [*_PUBLIC, "__version__"]
 
 if TYPE_CHECKING:
-    from unbroken.data.loader import sample_rng, sample_seed
+    from unbroken.data.loader import SampleInfo, current_sample, sample_rng, sample_seed
+    from unbroken.data.shards import ShardedArrays
     from unbroken.data.windows import RandomWindows
+    from unbroken.observe.events import read_events
+    from unbroken.replica_groups.sharding import sum_gradients
+    from unbroken.storage.checkpoint import CheckpointSettings
+    from unbroken.worker.devices import local_device
     from unbroken.worker.group_member import group_mesh
     from unbroken.worker.runtime import Job, RuntimeSettings, Step
     from unbroken.worker.script_state import ScriptState
@@ -24,24 +48,9 @@ _moved.install()
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Job", "Step", "RuntimeSettings"):
-        from unbroken.worker import runtime
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
+    import importlib
 
-        return getattr(runtime, name)
-    if name == "group_mesh":
-        from unbroken.worker.group_member import group_mesh
-
-        return group_mesh
-    if name == "ScriptState":
-        from unbroken.worker.script_state import ScriptState
-
-        return ScriptState
-    if name == "RandomWindows":
-        from unbroken.data.windows import RandomWindows
-
-        return RandomWindows
-    if name in ("sample_rng", "sample_seed"):
-        from unbroken.data import loader
-
-        return getattr(loader, name)
-    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

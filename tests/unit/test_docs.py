@@ -66,8 +66,11 @@ def test_every_long_option_of_a_command_is_in_its_section_of_the_cli_reference(s
 
 def test_the_api_reference_documents_the_public_names(site: Path) -> None:
     page = (site / "reference" / "api" / "index.html").read_text()
-    for name in ("Job", "Step", "RuntimeSettings", "RandomWindows", "ScriptState"):
-        assert f'id="unbroken.{name}"' in page, f"unbroken.{name} is not in the API reference"
+    import unbroken
+
+    for name in unbroken.__all__:
+        if name != "__version__":
+            assert f'id="unbroken.{name}"' in page, f"unbroken.{name} is not in the API reference"
 
 
 def test_the_readme_is_at_most_about_two_hundred_lines() -> None:
@@ -93,3 +96,71 @@ def test_the_readme_keeps_the_two_quickstart_commands() -> None:
     text = README.read_text()
     assert "pip install torch==2.13.0 -e '.[examples]' && unbroken run --nproc-per-node 4 examples/train_digits.py" in text
     assert "pip install torch==2.13.0 -e '.[test]' && python -m pytest" in text
+
+
+DOC_PAGES = sorted((ROOT / "docs").rglob("*.md")) + [README]
+API = (ROOT / "docs" / "reference" / "api.md").read_text()
+DOCUMENTED = set(re.findall(r"^::: (\S+)$", API, re.M))
+"""The dotted names the API reference documents (``::: module.Name``)."""
+
+
+def _python_snippets(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def _unbroken_imports(snippet: str) -> list[tuple[str, str]]:
+    """(module, name) of each ``from unbroken... import`` in a snippet (``import unbroken``: the
+    package itself)."""
+    found = []
+    for module, names in re.findall(r"^\s*from (unbroken[\w.]*) import ([^#\n]+)", snippet, re.M):
+        for name in names.strip().strip("()").split(","):
+            if name.strip():
+                found.append((module, name.split(" as ")[0].strip()))
+    return found
+
+
+@pytest.mark.parametrize("path", DOC_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_name_a_snippet_imports_from_unbroken_exists_and_is_documented(path: Path) -> None:
+    """The snippets of the docs import what exists, at its current path (no deprecated former
+    path), and only what the API reference documents (the public names)."""
+    import importlib
+    import warnings
+
+    for snippet in _python_snippets(path):
+        for module, name in _unbroken_imports(snippet):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)
+                found = importlib.import_module(module)
+            assert hasattr(found, name), f"{path.name}: `from {module} import {name}`: no such name"
+            assert f"{module}.{name}" in DOCUMENTED, f"{path.name}: `from {module} import {name}` is not in the API reference"
+
+
+def _settings_rows(command: str) -> list[tuple[str, str]]:
+    """(flag, default cell) of each row of the settings page's table for ``unbroken COMMAND``."""
+    page = (ROOT / "docs" / "guide" / "settings.md").read_text()
+    section = re.split(r"^## ", page, flags=re.M)
+    (text,) = [part for part in section if part.startswith(f"`unbroken {command}`")]
+    return re.findall(r"^\| `(--[\w-]+)[^`]*` \| ([^|]*) \|", text, re.M)
+
+
+@pytest.mark.parametrize("command", ["run", "coordinator"])
+def test_every_flag_on_the_settings_page_exists_with_the_default_it_states(command: str) -> None:
+    parser = _subcommand(command)
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    rows = _settings_rows(command)
+    assert len(rows) > 10
+    checked = 0
+    for flag, cell in rows:
+        assert flag in actions, f"settings.md names `{flag}` for unbroken {command}; the parser has no such flag"
+        literal = re.fullmatch(r"`([^`]+)`", cell.strip())
+        default = actions[flag].default
+        if literal is None or default is None or isinstance(default, bool):
+            continue  # a default said in words (none, the host name, ...)
+        stated = literal.group(1)
+        try:
+            same = float(stated) == float(default)
+        except (TypeError, ValueError):
+            same = stated == str(default)
+        assert same, f"settings.md says `{flag}` defaults to {stated}; the parser says {default!r}"
+        checked += 1
+    assert checked > 5
