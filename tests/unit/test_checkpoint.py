@@ -1,5 +1,6 @@
 """Durable checkpoints: atomic publish, verification, retention, resume, and s3:// (moto)."""
 
+import dataclasses
 import json
 import os
 import time
@@ -260,6 +261,43 @@ def test_a_checkpoint_that_names_code_to_run_is_not_executed_on_load(tmp_path, c
     assert store.load_latest() is None  # skipped, with a warning, never run
     out = capsys.readouterr().out
     assert "this must never run" not in out and "cannot load" in out
+
+
+@dataclasses.dataclass
+class UserRecord:
+    best: float
+
+
+def test_what_heals_also_loads_from_a_checkpoint_numpy_and_the_users_safe_globals(tmp_path):
+    """One allow-list: a numpy array in extra_state healed, but made every checkpoint holding it
+    unreadable (skipped: the job resumed from step 0); a type the user allows for torch's loads is
+    accepted by both readers."""
+    import io as _io
+    import pickle
+
+    import numpy as np
+
+    from unbroken.storage.safe_unpickle import safe_loads
+
+    extra = {"history": np.arange(4.0), "best": np.float32(0.25), "rng": np.random.get_state()}
+    store = CheckpointStore(str(tmp_path))
+    buffer = _io.BytesIO()
+    torch.save({"model": {"w": torch.ones(2)}, "extra_state": extra}, buffer)
+    store.write(5, buffer.getvalue(), {})
+    loaded = store.load_latest()
+    assert loaded is not None, "a checkpoint holding numpy arrays must load"
+    assert np.array_equal(loaded[0]["extra_state"]["history"], extra["history"])
+    assert np.array_equal(safe_loads(pickle.dumps(extra))["history"], extra["history"])
+
+    record = {"extra_state": UserRecord(0.5)}
+    with pytest.raises(pickle.UnpicklingError, match="add_safe_globals"):
+        safe_loads(pickle.dumps(record))
+    with torch.serialization.safe_globals([UserRecord]):
+        assert safe_loads(pickle.dumps(record)) == record
+        buffer = _io.BytesIO()
+        torch.save(record, buffer)
+        store.write(6, buffer.getvalue(), {})
+        assert store.load_latest()[0] == record
 
 
 def test_a_memory_file_holds_what_torch_saves_byte_for_byte_and_loads_it_back():

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.storage.safe_unpickle import plain_data_globals
 from unbroken.storage.state_copy import MemoryFile, PinnedPool, _has_gpu_tensor, _tensor_bytes, copies_done, snapshot  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -257,8 +258,10 @@ class CheckpointStore:
         for step in self.steps():
             try:
                 manifest, payload = self.read(step)
-                # weights_only: a checkpoint holds plain data only, and cannot name code to run
-                state = torch.load(MemoryFile(payload), weights_only=True)
+                # weights_only: a checkpoint holds plain data only, and cannot name code to run;
+                # what healing accepts, a checkpoint accepts (one allow-list)
+                with plain_data_globals():
+                    state = torch.load(MemoryFile(payload), weights_only=True)
             except CheckpointCorrupt as exc:
                 log.warning("skipping checkpoint: %s", exc)
                 print(f"unbroken: warning: skipping checkpoint {exc}", flush=True)

@@ -24,7 +24,7 @@ all from the source to one receiver, in this order:
 The manifest is a pickle, read by a restricted unpickler
 (:class:`~unbroken.storage.safe_unpickle.SafeUnpickler`): only plain containers, numbers, strings, torch
 dtypes and sizes, numpy arrays and this module's own types, never an arbitrary callable. A state_dict that holds other objects is refused with an error
-naming the type. (Checkpoints load with ``torch.load(weights_only=True)`` for the same reason.)
+naming the type. (Checkpoints load with ``torch.load(weights_only=True)``, accepting the same.)
 
 A receiver loads nothing into the caller's objects: it builds a new state and returns it only
 once every message has arrived, so a transfer cut by a failure leaves it as it was. It allocates

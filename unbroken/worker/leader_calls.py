@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 import torch
 
 from unbroken.errors import GenerationFailed, LeaderCallFailed, LoopMisuse
+from unbroken.storage.safe_unpickle import plain_data_globals
 
 if TYPE_CHECKING:
     from unbroken.worker.group import GenerationGroup
@@ -52,11 +53,12 @@ def encode(ok: bool, value: Any) -> bytes:
 
 def decode(payload: bytes, device: torch.device) -> tuple[bool, Any]:
     try:
-        record = torch.load(io.BytesIO(payload), weights_only=True, map_location=device if device.type == "cuda" else "cpu")
+        with plain_data_globals():  # what heals and what checkpoints hold, a leader may return
+            record = torch.load(io.BytesIO(payload), weights_only=True, map_location=device if device.type == "cuda" else "cpu")
     except Exception as exc:  # noqa: BLE001 - the unpickler refuses anything but plain data
         raise LeaderCallFailed(
             f"the leader's result cannot be read on this member ({type(exc).__name__}: {exc}); return plain data:"
-            " numbers, strings, lists, dicts or tensors") from None
+            " numbers, strings, lists, dicts, tensors or numpy arrays") from None
     return bool(record["ok"]), record["value"]
 
 
