@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken import _moved
 
-__version__ = "0.1.0"
+from unbroken.version import __version__
 _PUBLIC = {
     "Job": "unbroken.worker.runtime",
     "Step": "unbroken.worker.runtime",
@@ -29,7 +29,11 @@ _PUBLIC = {
 }
 """Each public name, and the module that defines it (loaded when the name is first used)."""
 
-__all__ = [*_PUBLIC, "__version__"]
+__all__ = [
+    "Job", "Step", "RuntimeSettings", "ScriptState", "group_mesh", "local_device", "RandomWindows", "ShardedArrays",
+    "sample_rng", "sample_seed", "current_sample", "SampleInfo", "CheckpointSettings", "sum_gradients", "read_events",
+    "__version__",
+]  # written out for the linters; a test checks that it names exactly _PUBLIC and __version__
 
 if TYPE_CHECKING:
     from unbroken.data.loader import SampleInfo, current_sample, sample_rng, sample_seed

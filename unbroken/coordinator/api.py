@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine
 from unbroken.coordinator.membership import MemberState
 
 if TYPE_CHECKING:
-    from unbroken.coordinator.server import CoordinatorSettings
+    from unbroken.coordinator.settings import CoordinatorSettings
     from unbroken.coordinator.membership import Membership
     from unbroken.coordinator.metrics import CoordinatorMetrics
     from unbroken.observe.events import EventLog

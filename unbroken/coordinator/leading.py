@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from unbroken.coordinator.membership import Membership
 
 if TYPE_CHECKING:
-    from unbroken.coordinator.server import CoordinatorSettings
+    from unbroken.coordinator.settings import CoordinatorSettings
     from unbroken.coordinator.membership import MembershipSettings
     from unbroken.observe.events import EventLog
 

@@ -49,10 +49,10 @@ import uuid
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from unbroken.coordinator.api import CoordinatorApi
+from unbroken.coordinator.settings import CoordinatorSettings  # noqa: F401  (the coordinator's settings, named here too)
 from unbroken.errors import ConfigError
 from unbroken.coordinator.leading import Leading
 from unbroken.coordinator.membership import Membership, MembershipSettings
@@ -60,43 +60,6 @@ from unbroken.open_files import raise_limit
 from unbroken.observe.events import EventLog
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CoordinatorSettings:
-    """Where the coordinator listens and how long its long polls hold."""
-
-    host: str = "127.0.0.1"
-    """Address to bind (use 0.0.0.0 to serve other hosts)."""
-    port: int = 0
-    """HTTP port; 0 picks a free one."""
-    store_port: int = 0
-    """Port of the TCPStore for process groups; 0 picks a free one."""
-    advertise_host: str | None = None
-    """Host name members use to reach the store; defaults to ``host`` (or this host's name)."""
-    hold: float = 2.0
-    """Longest time a long poll (join, heartbeat) is held before it is answered anyway."""
-    check_interval: float = 0.1
-    """How often heartbeat deadlines are checked (each check costs only the deadlines that came
-    due, and the connections that no held poll watches)."""
-    stall_excuse: float = 0.5
-    """A deadline check that comes this many seconds late means the coordinator itself did not
-    run: its verdicts for silence and lack of progress then wait as long again as it stalled."""
-    wake_batch: int = 256
-    """Long polls woken per turn of the event loop when a change concerns many (a generation
-    formed or broke): between batches the loop reads new requests, so heartbeats are never held
-    up for the whole formation."""
-    connection_sweep: float = 2.0
-    """How often every member's heartbeat connection is checked for closing, as a backstop (O(N)):
-    the ones between polls are checked every ``check_interval``, and the current generation's
-    20 ms after a failure report."""
-    token: str | None = None
-    """Shared secret every request must carry (``Authorization: Bearer TOKEN``); None: none."""
-    rejoin_grace: float = 0.5
-    """A candidate that takes over the lead forms its first generation once every member of the
-    last one has rejoined, or after this many seconds with those that did (a lost host's members
-    never do). Live members look for the new leader every 0.1 s, so they rejoin well within it;
-    one that is later joins the next generation."""
 
 
 LARGE_JOB = 256

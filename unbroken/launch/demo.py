@@ -43,9 +43,7 @@ _RUNNER = 'import runpy\nrunpy.run_module("unbroken.launch.demo_train", run_name
 def example_script(run_dir: str) -> str:
     """``examples/train_digits.py`` beside the package, or a one-line runner of
     :mod:`unbroken.launch.demo_train` written into ``run_dir`` (an installed package has no examples)."""
-    import unbroken
-
-    package = os.path.dirname(os.path.abspath(unbroken.__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # unbroken/launch/demo.py
     example = os.path.join(os.path.dirname(package), "examples", "train_digits.py")
     if os.path.isfile(example):
         return example

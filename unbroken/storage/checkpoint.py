@@ -101,7 +101,7 @@ def young_daly_interval(save_cost: float, mtbf: float) -> float:
 
 
 def _versions() -> dict[str, str]:
-    from unbroken import __version__
+    from unbroken.version import __version__
 
     return {"unbroken": __version__, "torch": torch.__version__, "python": platform.python_version()}
 

@@ -134,7 +134,7 @@ class Joiner:
         """What every member must agree on, or the collectives mismatch (a livelock, or the wrong
         parameters summed together): sent with every join, compared by the coordinator."""
         if self._preflight_cache is None:
-            import unbroken
+            from unbroken.version import __version__
 
             job = self.job
             script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
@@ -157,7 +157,7 @@ class Joiner:
                 ),
                 **self._group_preflight(),
                 "torch": torch.__version__,
-                "unbroken": unbroken.__version__,
+                "unbroken": __version__,
                 "script": f"{os.path.basename(script)} sha256 {script_hash}",
             }
         return self._preflight_cache
