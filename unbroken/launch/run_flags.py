@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING, Any, Mapping
 
 from unbroken.errors import ConfigError
-from unbroken.launch.torchrun_habits import nproc_per_node, refuse_torchrun_flags
+from unbroken.launch.torchrun_habits import nproc_per_node, positive_int, refuse_torchrun_flags
 
 if TYPE_CHECKING:
     from unbroken.launch.launch_settings import LaunchSettings
@@ -138,14 +138,7 @@ def _add_run_replication(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
     _flag(p, "--etcd-port", type=int, default=2379, help="with --ha: etcd's client port; the peer port is the next (default %(default)s)")
 
 
-def _positive_int(flag: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{flag} must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise ConfigError(f"{flag} must be a positive integer, got {value}")
-    return value
+_positive_int = positive_int
 
 
 def _every(text: str | None) -> int | str | None:

@@ -65,12 +65,18 @@ def nproc_per_node(text: str) -> int:
         if word == "gpu" or (word == "auto" and gpus > 0):
             return gpus
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return positive_int("--nproc-per-node", text, ", gpu, cpu or auto")
+
+
+def positive_int(flag: str, text: str, or_else: str = "") -> int:
+    """``text`` as the positive integer ``flag`` takes, or a :class:`ConfigError` naming both
+    (``or_else``: the words the flag takes besides, for the message)."""
     try:
-        value = int(word)
+        value = int(text)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node must be a positive integer, gpu, cpu or auto, got {text!r}") from None
+        raise ConfigError(f"{flag} must be a positive integer{or_else}, got {text!r}") from None
     if value < 1:
-        raise ConfigError(f"--nproc-per-node must be a positive integer, got {value}")
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
     return value
 
 
