@@ -8,7 +8,7 @@ simulates the ``N`` members of a new generation, no Gloo: one thread per member,
 keeps its store connection across generations, so connecting is not timed), all released at
 once. Each member performs exactly the store
 operations that building a ``ProcessGroupGloo`` makes in torch 2.13, counted on real groups of
-2-16 processes with a counting store (tests/unit/test_rendezvous.py asserts them):
+2-16 processes with a counting store (tests/unit/worker/test_rendezvous.py asserts them):
 
 - ``full mesh`` (torch's default, unbroken before): each member writes its record (host name,
   device address, and one 8-byte pair identifier per member: 154 + 8N bytes here), then for

@@ -25,7 +25,7 @@ refuses a page that is not in the navigation.)
 
 Status: used by the runtime (how, at the end of this note; the user guide is
 `docs/guide/replica-groups.md`). Besides this module (unit tests in
-`tests/unit/test_replica_groups.py`): :mod:`unbroken.worker.group_member` (the group's own process group,
+`tests/unit/replica_groups/test_replica_groups.py`): :mod:`unbroken.worker.group_member` (the group's own process group,
 relay and watchdog, its votes), :mod:`unbroken.replica_groups.group_relay`, :mod:`unbroken.storage.sharded_checkpoint`,
 and `tests/integration/test_replica_groups.py` (the issue's four must-shows). The findings below
 come from the spike (`examples/hsdp_reference.py`). All figures: torch 2.13.0+cpu, Gloo, a shared

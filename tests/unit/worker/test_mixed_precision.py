@@ -175,7 +175,7 @@ def test_the_amp_example_trains_in_one_process(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
     done = subprocess.run([sys.executable, os.path.join(root, "examples", "train_amp.py"), "--steps", "12"],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)

@@ -123,7 +123,7 @@ def test_emit_refuses_fields_that_would_replace_the_common_ones(tmp_path):
 
 
 def test_every_kind_written_is_listed_and_documented():
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     written = set()
     for path in (root / "unbroken").rglob("*.py"):
         written |= set(re.findall(r'\bemit\(\s*"(\w+)"', path.read_text()))

@@ -56,7 +56,7 @@ def test_control_slots_sum_exactly_whatever_the_parameters_dtype(dtype):
     """Two members reduce a token-style count and loss sum: the sums are exact, as a single
     process would count them. In the first bucket's dtype, float16 made a count of 100,003 inf
     and bfloat16 rounded it to 99,840."""
-    from tests.unit.test_rendezvous import _form
+    from tests.unit.worker.test_rendezvous import _form
 
     master, groups, _ = _form(2, prefix="control")
     results: dict[int, tuple] = {}

@@ -18,7 +18,7 @@ from unbroken.worker.runtime import Job
 from unbroken.data.shards import ShardedArrays
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LENGTHS = [7, 1, 12, 5]  # shards of different sizes, one with a single record
 
 

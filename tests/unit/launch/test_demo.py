@@ -15,7 +15,7 @@ from unbroken.worker import chaos
 from unbroken.launch import demo
 from unbroken.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture(autouse=True)

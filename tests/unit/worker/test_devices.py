@@ -359,7 +359,7 @@ def test_a_gpu_snapshot_lands_in_pinned_buffers_reused_by_the_next_save():
 
 @needs_gpu
 def test_gpu_tensors_of_a_healed_state_arrive_on_the_receivers_gpu_and_cpu_tensors_on_the_cpu():
-    from tests.unit.test_healing import _Link
+    from tests.unit.worker.test_healing import _Link
 
     class GpuLink(_Link):
         device = torch.device("cpu")

@@ -165,7 +165,7 @@ def test_the_benchmark_runs_each_pattern_against_a_real_store():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run(
         [sys.executable, "benchmarks/bench_rendezvous.py", "--members", "4", "12", "--full-mesh-max", "4", "--processes", "2", "--json"],
         cwd=root, capture_output=True, text=True, timeout=240,

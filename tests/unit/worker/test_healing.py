@@ -26,7 +26,7 @@ from unbroken.worker.healing import HealPlan, TensorSpec, plan
 
 torch.set_num_threads(1)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # -- plan ------------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ def _transfer(tmp_path, timeout: float, die: bool = False) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-    code = "import sys; from tests.unit.test_healing import _worker; _worker(*sys.argv[1:])"
+    code = "import sys; from tests.unit.worker.test_healing import _worker; _worker(*sys.argv[1:])"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     children: list[subprocess.Popen] = []
     try:
