@@ -16,7 +16,7 @@
    which rejoins and is healed shard by shard. From the run's ``heal`` events (one per sending
    process j): bytes and seconds per j; the group's heal time is the max over j. Next to it, raw
    Gloo: two pairs of processes send/recv the same bytes per shard, both pairs at once (the
-   slowest process's time, median of ``--raw-trials``), as ``bench_group_heal.py``'s raw measure.
+   slowest process's time, median of ``--raw-trials``).
 
 Prints markdown tables (or JSON with ``--json``) and writes benchmarks/results/replica_groups.json
 (``--out``). Every run is bounded by a timeout, and no process is left behind. Run it alone on

@@ -82,7 +82,7 @@ class Accelerator:
         max_steps: the job's steps instead of ``num_epochs`` passes.
         seed: seeds the sample order.
         cpu: train on the CPU even where a GPU is.
-        **refused: Accelerate arguments unbroken does not support are refused, naming them;
+        **accelerate_args: Accelerate arguments unbroken does not support are refused, naming them;
             others that do not change training (``device_placement``, ``project_dir``, ...) are accepted.
     """
 

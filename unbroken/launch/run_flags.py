@@ -93,7 +93,7 @@ def _add_run_checkpoints(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
 
 def _add_run_membership(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
     """How many workers a generation takes, and how long the coordinator waits for them."""
-    _flag(p, "--nnodes", default=None, help="MIN:MAX nodes (torchrun spelling); sets --min-members/--max-members to MIN*N/MAX*N")
+    _flag(p, "--nnodes", default=None, help="MIN:MAX nodes (torchrun spelling); sets --min-members/--max-members to MIN*P/MAX*P, P being the members of one node (--nproc-per-node / --group-size) (default: none)")
     _flag(p, "--min-members", type=int, default=d["min_members"].default, help="no generation below this many workers (default %(default)s)")
     _flag(p, "--max-members", type=int, default=None, help="at most this many workers in a generation (default: no limit)")
     _flag(p, "--progress-timeout", type=float, default=d["progress_timeout"].default,

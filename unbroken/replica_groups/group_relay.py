@@ -1,12 +1,12 @@
 """The group relay: what process 0 of a replica group hears from the coordinator, passed on to
-processes 1..K-1, and the group's liveness and progress, gathered for process 0 (issue 18).
+processes 1..K-1, and the group's liveness and progress, gathered for process 0.
 
 In a replica group (see :mod:`unbroken.replica_groups.sharding`) only process 0 talks to the coordinator:
 it joins and heartbeats for the whole group. Its K-1 peers still need
 
 - every generation process 0 joins (the join reply), to build their own shard's cross-group
   process group of that generation, and every new heartbeat view, so that their cross-group
-  collectives are abandoned as soon as the generation breaks (DESIGN step 1);
+  collectives are abandoned as soon as the generation breaks (step 1 of the protocol);
 - to count for the group's liveness and progress: a hang (SIGSTOP) or a crash of *any* process of
   the group must fail the whole group, which the launcher then stops and restarts as one.
 

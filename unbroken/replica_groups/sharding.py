@@ -1,4 +1,4 @@
-"""Building blocks for replica groups (issue 18): FSDP inside a group, fault tolerance across groups.
+"""Building blocks for replica groups: FSDP inside a group, fault tolerance across groups.
 
 A *replica group* is K processes that shard one replica of the model with FSDP2 (``fully_shard``
 over the group's own 1-D device mesh). The coordinator's members are groups; process ``j`` of
@@ -18,7 +18,7 @@ note at the end of this docstring has the findings and how the runtime uses them
 - :func:`local_state_shards`, :func:`load_local_state_shards`: the tensors process ``j`` holds
   (parameter shards, buffers, optimizer state shards), for shard-by-shard healing.
 
-## Design note (issue 18 spike)
+## Design note (from the first spike)
 
 (Kept here rather than in ``docs/``: the site is built with ``mkdocs build --strict``, which
 refuses a page that is not in the navigation.)
@@ -49,7 +49,7 @@ a factor of 1 gives `ReduceOp.SUM` and no pre/post division for float64/float16;
 bfloat16 it chooses `ReduceOp.PREMUL_SUM(1/factor)`, which Gloo refuses (checked: "Cannot use ReduceOp.PREMUL_SUM
 with Gloo"), so also call
 `set_force_sum_reduction_for_comms(True)` (SUM plus a division by 1, skipped). With the
-share-weighted loss (DESIGN step 4), written as *sum over samples / G* so that an empty
+share-weighted loss (the step protocol's loss weighting), written as *sum over samples / G* so that an empty
 micro-batch gives 0 rather than NaN, the sum over the group and then over the groups is exactly
 the gradient of the mean loss.
 
@@ -315,7 +315,7 @@ def check_groups_match(groups: Mapping[str, GroupShape], expected: GroupShape | 
 def sum_gradients(module: torch.nn.Module) -> torch.nn.Module:
     """Make every FSDP2 unit of ``module`` sum its gradients over the group, never average them.
 
-    The loss is weighted by each micro-batch's share of the global batch (DESIGN step 4), so the
+    The loss is weighted by each micro-batch's share of the global batch, so the
     gradient of the mean loss is the plain *sum* over processes and groups: FSDP's division by the
     group size must be off (``set_gradient_divide_factor(1.0)``, per unit, not recursive), and its
     reduce-scatter must be a plain SUM (``set_force_sum_reduction_for_comms``: otherwise float32

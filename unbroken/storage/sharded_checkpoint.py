@@ -1,4 +1,4 @@
-"""Sharded checkpoints: each process of one replica group writes its own shard (issue 18).
+"""Sharded checkpoints: each process of one replica group writes its own shard.
 
 A replica group shards one replica of the model with FSDP2, so no process holds the whole state.
 Every process of *one* group (all groups hold the same replica) writes its shard with torch's

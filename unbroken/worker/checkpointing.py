@@ -139,7 +139,7 @@ class Checkpointing:
         elif self.schedule is not None:
             self._save_cost, self._save_cost_pending = stall, True
 
-    # -- replica groups: one DCP shard per process, written by one group (issue 18) --------------
+    # -- replica groups: one DCP shard per process, written by one group --------------
 
     def _sharded_state(self) -> dict[str, Any]:
         from unbroken.storage.sharded_checkpoint import TrainingState

@@ -1,4 +1,4 @@
-"""A member's side of healing, right after its generation's group is built (DESIGN step 2).
+"""A member's side of healing, right after its generation's group is built (step 2 of the protocol, docs/protocol.md).
 
 The members exchange (next step, fresh, lineage digest); :func:`unbroken.worker.healing.plan` picks the
 source and the receivers, and the state fans out over the new group in rounds

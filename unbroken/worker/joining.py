@@ -7,7 +7,7 @@ not take this member), builds the new generation's process group over the coordi
 has it healed, and keeps it until the generation breaks (:meth:`Joiner.abandon`), asks to be
 re-formed (:meth:`Joiner.close_group`) or the job ends (:meth:`Joiner.leave`). Between those,
 :meth:`Joiner.abandon_reason` says whether the generation still holds: no reply within the lease,
-a verdict, a newer generation or a restarted coordinator each end it (DESIGN step 1, "No stale
+a verdict, a newer generation or a restarted coordinator each end it (step 1 of the protocol, "No stale
 writes").
 """
 

@@ -4,7 +4,7 @@ Two guards that the runtime installs when a member starts under ``unbroken run``
 :func:`die_with_launcher` asks Linux to kill the worker when its launcher dies (no orphan keeps
 a node's devices or trains unwatched), and :class:`ExitGuard` keeps a Gloo group abandoned while
 a peer hung from aborting the interpreter at exit, which would make a finished run look like a
-crash to the launcher (DESIGN.md, "Measured on this kind of machine").
+crash to the launcher (measured on this kind of machine).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Replica checks: every member must hold bit-identical parameters and buffers (DESIGN invariant).
+"""Replica checks: every member must hold bit-identical parameters and buffers (an invariant of the protocol, docs/protocol.md).
 
 The members allgather a sha256 of their model's state_dict over the generation's group and
 compare. A mismatch is :class:`~unbroken.errors.ReplicaDivergence`, never repaired silently: it

@@ -8,7 +8,7 @@
             step.backward(loss_fn(model(x), y))
         step.commit()
 
-Under ``unbroken run`` each step follows the protocol of DESIGN.md: the member learns its
+Under ``unbroken run`` each step follows the protocol of docs/protocol.md: the member learns its
 generation from the coordinator (joining and healing when it changed), processes its share of
 the step's fixed global batch, allreduces share-weighted gradients in buckets overlapped with
 backward, and then either commits (optimizer step) or, if the allreduce failed, leaves its

@@ -2,8 +2,8 @@
 its commit.
 
 A :class:`Step` checks the loop as it goes (one ``step.backward`` per micro-batch, no gradient
-computed outside it), weights each micro-batch's loss by its share of the global batch (DESIGN
-step 4), and ends in one of two ways: committed (the allreduce succeeded, the optimizer stepped)
+computed outside it), weights each micro-batch's loss by its share of the global batch (step 4
+of the protocol), and ends in one of two ways: committed (the allreduce succeeded, the optimizer stepped)
 or failed (a peer failed: the gradients and buffers are put back as they were and the step is
 redone by the next generation). The :class:`~unbroken.worker.runtime.Job` that yields it holds the
 model, the group and the step counter.
