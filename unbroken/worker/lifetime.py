@@ -14,10 +14,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from unbroken.worker.runtime import Job
+from typing import Any, Protocol
 
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
 
@@ -41,6 +38,14 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+class Guarded(Protocol):
+    """What :class:`ExitGuard` reads of a job: its abandoned groups (``_graveyard``, true while
+    any holds pending work) and its replica group (``_group``, closed after a clean finish)."""
+
+    _graveyard: Any
+    _group: Any
+
+
 class ExitGuard:
     """Keeps an abandoned Gloo group from turning a finished run into a crash at exit.
 
@@ -52,13 +57,13 @@ class ExitGuard:
     and the process aborts ("terminate called without an active exception", SIGABRT).
     """
 
-    jobs: list[Job] = []
+    jobs: list[Guarded] = []
     finished = False
     crashed = False
     _installed = False
 
     @classmethod
-    def install(cls, job: Job) -> None:
+    def install(cls, job: Guarded) -> None:
         cls.jobs.append(job)
         if cls._installed:
             return
