@@ -10,39 +10,38 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 import torch
 
 from unbroken.errors import GenerationFailed, ReplicaDivergence
 
-if TYPE_CHECKING:
-    from unbroken.worker.runtime import Job
-
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
 
 
-def verify_replicas(job: Job) -> bool:
-    """Exchange a hash of the parameters and buffers; all members must agree.
+def verify_replicas(model: torch.nn.Module, group: Any, abandon: Callable[[str], None], events: Any, member_id: str,
+                    step: int, generation: int) -> str | None:
+    """Exchange a hash of ``model``'s parameters and buffers over the generation's ``group``; all
+    members must agree. Returns the hash, or None (after ``abandon``) if the exchange failed.
 
-    Returns False (after abandoning the generation) if the exchange itself failed."""
+    ``step`` is the job's next step and ``generation`` its generation, for the messages and the
+    ``replicas`` event written to ``events``."""
     digest = hashlib.sha256()
-    for name, tensor in job.model.state_dict().items():
+    for name, tensor in model.state_dict().items():
         digest.update(name.encode())
         tensor = getattr(tensor, "_local_tensor", tensor)  # a replica group's process compares its own shard
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     row = torch.tensor(list(digest.digest()), dtype=torch.int64)
-    group = job._joiner.group
     try:
         table = group.allgather_rows(row, "replica check")
     except GenerationFailed as exc:
-        job._abandon(str(exc))
-        return False
+        abandon(str(exc))
+        return None
     rows = [bytes(r).hex() for r in table.tolist()]
     if len(set(rows)) != 1:
         by_member = ", ".join(f"{m}={h[:12]}" for m, h in zip(group.members, rows))
-        raise ReplicaDivergence(f"members hold different parameters after step {job.next_step} (generation {job.generation}): {by_member}")
-    job.replica_hash = digest.hexdigest()
-    job._events.emit("replicas", generation=job.generation, members=job.member_count, hash=job.replica_hash, step=job.next_step)
-    log.info("%s: %d replicas identical at step %d (sha256 %s)", job.member_id, job.member_count, job.next_step, job.replica_hash[:16])
-    return True
+        raise ReplicaDivergence(f"members hold different parameters after step {step} (generation {generation}): {by_member}")
+    found = digest.hexdigest()
+    events.emit("replicas", generation=generation, members=len(group.members), hash=found, step=step)
+    log.info("%s: %d replicas identical at step %d (sha256 %s)", member_id, len(group.members), step, found[:16])
+    return found

@@ -398,7 +398,7 @@ class Job:
         """The end of the job, at this step boundary, for every member together: the final
         replica check, then the final checkpoint (each a decision of a replica group as a whole,
         so that a process whose check failed never leaves the others half-way into a save)."""
-        return (self._together(verify_replicas(self), "could not compare replicas")
+        return (self._together(self._verify_replicas(), "could not compare replicas")
                 and self._together(self._checkpointing.final_together(), "could not finish"))
 
     def _steps_together(self, total: int) -> Iterator[Step]:
@@ -462,7 +462,7 @@ class Job:
                 if step.reconfigure:
                     self._joiner.close_group()
                 elif self.settings.verify_every and self.next_step % self.settings.verify_every == 0 and self.next_step < total:
-                    self._together(verify_replicas(self), "could not compare replicas")
+                    self._together(self._verify_replicas(), "could not compare replicas")
         finally:
             self._stop(finished)
 
@@ -499,6 +499,16 @@ class Job:
     def _state_key(self) -> tuple[int, int, bool]:
         """What the processes of a replica group must agree on: next step, lineage, freshness."""
         return self.next_step, self._digest, self.fresh
+
+    def _verify_replicas(self) -> bool:
+        """Compare every member's parameters and buffers (:func:`verify_replicas`); False if the
+        exchange failed and the generation was abandoned."""
+        found = verify_replicas(self.model, self._joiner.group, self._abandon, self._events, self.member_id,
+                                self.next_step, self.generation)
+        if found is None:
+            return False
+        self.replica_hash = found
+        return True
 
     def _together(self, ok: bool, what: str) -> bool:
         """Whether every process of this member is ok (:meth:`_vote`); one that is ok while another
