@@ -104,7 +104,7 @@ def test_the_former_module_paths_import_the_same_modules_with_a_warning():
 
 RUNTIME_AND_ITS_HELPERS = {
     "unbroken.worker.runtime", "unbroken.worker.step", "unbroken.worker.joining", "unbroken.worker.healer",
-    "unbroken.worker.checkpointing", "unbroken.worker.sample_record",
+    "unbroken.worker.checkpointing",
 }
 """The one import cycle left: the Job's helpers name ``Job`` in their type hints (under
 ``TYPE_CHECKING``) and the Job imports them; they are to receive the state they use instead."""

@@ -596,7 +596,7 @@ class Job:
         self.lineage.append(step.generation)
         self._digest = healing.extend_digest(self._digest, step.generation)
         self.fresh = False
-        self._samples.commit(step, self._digest)
+        self._samples.commit(step, self._digest, self._group)
         heartbeat = self._joiner.heartbeat
         if heartbeat is not None:
             heartbeat.step = self.next_step

@@ -13,10 +13,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from unbroken.worker.step import Step
+
+class Attempt(Protocol):
+    """What the record reads of a step: where it stands and the stream positions of its share."""
+
+    generation: int
+    index: int
+    rank: int
+    members: int
+    positions: range
 
 
 class SampleRecord:
@@ -36,22 +43,21 @@ class SampleRecord:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def attempt(self, step: Step) -> None:
-        """The positions ``step`` is about to send into its generation's allreduce."""
+    def attempt(self, step: Attempt, group: Any) -> None:
+        """The positions ``step`` is about to send into its generation's allreduce (``group``: this
+        process's replica group, or None)."""
         if self._fd is None:
             return
-        group = step.job._group
         # in a replica group, "k" processes each log their part of the group's share
         k = f',"k":{group.size}' if group is not None and group.grouped else ""
         line = f'{{"g":{step.generation},"s":{step.index},"r":{step.rank},"n":{step.members}{k},"a":{step.positions.start},"b":{step.positions.stop}}}\n'
         os.write(self._fd, line.encode())
 
-    def commit(self, step: Step, digest: int) -> None:
+    def commit(self, step: Attempt, digest: int, group: Any) -> None:
         """What this member committed, for the invariant checks: the generation, the step, the
         process of its replica group ("p", 0 alone) and the lineage digest after the commit ("d"),
         which every process of the generation must share."""
         if self._fd is not None:
-            group = step.job._group
             process = group.rank if group is not None and group.grouped else 0
             line = f'{{"commit":1,"g":{step.generation},"s":{step.index},"p":{process},"d":{digest},"t":{time.time()!r}}}\n'
             os.write(self._fd, line.encode())

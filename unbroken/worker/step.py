@@ -181,7 +181,7 @@ class Step:
         self._stale = self._stale or job._abandon_reason(self.generation)
         if self._stale:
             return
-        job._samples.attempt(self)
+        job._samples.attempt(self, job._group)
         job._reducer.arm(job._joiner.group, job._joiner.reconfigure_wanted(), self._loss_sum, self._count if self._counting else None,
                          stop=job.stop_reason is not None)
 
