@@ -9,5 +9,5 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import slowfs  # noqa: E402,F401  (registers slowfile://)
 
-runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", "train_fsdp.py"),
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "train_fsdp.py"),
                run_name="__main__")
