@@ -43,7 +43,7 @@ def test_a_worker_that_never_left_the_loop_is_still_stopped_after_the_grace(tmp_
     assert "the job finished; stopping worker 2, which had not left the training loop" in run.stdout
     assert os.path.getsize(path) == FILE_BYTES
     workers = {w["local_rank"]: w for w in run.summary()["workers"]}
-    assert workers[2]["state"] == "stopped" and workers[2]["exits"][-1]["how"] == "killed by SIGKILL"
+    assert workers[2]["state"] == "stopped" and workers[2]["exits"][-1]["how"] == "killed by SIGKILL (stopped by the launcher)"
     assert workers[0]["state"] == workers[1]["state"] == "succeeded"
     # the stopped worker went long before the leader's file was written
     finished = run.events("finished")[0]["t"]

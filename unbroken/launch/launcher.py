@@ -255,9 +255,12 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
             extra = {"process": failed}
             if code != 0:
                 how = f"process {failed} of {k}: {how}"
+        stopped = self._stop_signal is not None or worker.state is WorkerState.STOPPED
+        if stopped and code != 0:  # ended on purpose (a shutdown, a worker kept past the job's end): no crash
+            how = f"{how} (stopped by the launcher)"
         worker.exits.append({"member": worker.member_id, "code": code, "how": how, "t": time.time(), **extra})
         self.events.emit("worker_exit", member=worker.member_id, local_rank=worker.local_rank, code=code, how=how, **extra)
-        if self._stop_signal is not None or worker.state is WorkerState.STOPPED:
+        if stopped:
             worker.state = WorkerState.STOPPED
             return None
         if code == 0:
