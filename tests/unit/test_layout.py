@@ -169,3 +169,11 @@ def test_the_public_names_are_exactly_the_ones_exported():
     assert sorted(unbroken.__all__) == sorted([*unbroken._PUBLIC, "__version__"])
     for name in unbroken._PUBLIC:
         assert getattr(unbroken, name).__name__ == name
+
+
+def test_the_layout_in_the_docs_names_every_module():
+    page = (PACKAGE.parent / "docs" / "how-it-works.md").read_text()
+    named = {m for m in _modules() if f"`{m.relative_to(PACKAGE.parent)}`" in page}
+    missing = [str(m.relative_to(PACKAGE.parent)) for m in _modules() if m.name != "__init__.py" and m not in named
+               and f"`{m.parent.relative_to(PACKAGE.parent)}/`" not in page]
+    assert not missing, f"docs/how-it-works.md's layout does not name {missing}"
