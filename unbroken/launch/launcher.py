@@ -52,6 +52,7 @@ from dataclasses import asdict
 from typing import Any
 
 from unbroken.launch.embedded_coordinator import EmbeddedCoordinator
+from unbroken.observe import refusal_mark
 from unbroken.errors import EXIT_MISMATCH, RESTARTABLE_EXITS, ConfigError, UnbrokenError
 from unbroken.launch.launch_settings import LaunchSettings
 from unbroken.launch.restarts import SlotBudget
@@ -248,6 +249,9 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         ended it) exited with ``code``."""
         if proc is not worker.proc:
             return None
+        refused = refusal_mark.read(self.run_dir, worker.member_id) if code != 0 else None
+        if refused is not None and refused != code:  # another process of its group exited first
+            code = refused
         how = _describe_exit(code)
         k = self.settings.group_size
         extra: dict[str, Any] = {}

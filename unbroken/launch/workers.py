@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
-from unbroken.observe import leader_mark
+from unbroken.observe import leader_mark, refusal_mark
 from unbroken.observe.console_lines import for_console, looks_like_an_error
 from unbroken.launch.restarts import SlotBudget
 from unbroken.store_keys import key_tag
@@ -147,6 +147,7 @@ class WorkerProcesses:
         log_path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")
         logfile = open(log_path, "ab", buffering=0)
         logfile.write(f"===== {worker.member_id} starting =====\n".encode())
+        refusal_mark.clear(self.run_dir, worker.member_id)  # a run directory used before: no stale refusal
         procs: list[subprocess.Popen] = []
         logfiles = [logfile] + [open(log_path, "ab", buffering=0) for _ in range(k - 1)]
         try:

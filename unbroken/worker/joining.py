@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from unbroken.observe import leader_mark
+from unbroken.observe import leader_mark, refusal_mark
 from unbroken.errors import EXIT_MISMATCH, EXIT_RESTART_FRESH, GenerationFailed, Unauthorized, UnbrokenError
 from unbroken.worker.lifetime import ExitGuard, die_with_launcher
 from unbroken.open_files import raise_limit
@@ -462,6 +462,7 @@ class Joiner:
         Process 0 of a replica group first passes the refusal on, so that its K processes all exit
         with ``code``: the launcher takes the group's status from whichever exits first, and a
         process 1..K-1 that timed out waiting instead would have it restarted (seen in CI)."""
+        refusal_mark.write(self.job.run_dir, self.job.member_id, code)  # before any process of the group exits
         group = self._grouped()
         if group is not None and group.leader:
             self._relay({"status": "exit", "code": code, "message": message})
