@@ -12,26 +12,15 @@ be on another node, whose run directory this one does not see).
 
 from __future__ import annotations
 
-import os
+from unbroken.observe import member_files
 
-
-def _path(run_dir: str, member_id: str) -> str:
-    return os.path.join(run_dir, "workers", f"{member_id}.rank")
+KIND = "rank"
 
 
 def write(run_dir: str | None, member_id: str, generation: int, index: int) -> None:
-    """Record that ``member_id`` is member ``index`` of ``generation`` (atomically; a run without
-    a run directory, or one that cannot be written, records nothing: the console then relies on
-    the coordinator's answer alone)."""
-    if not run_dir:
-        return
-    path = _path(run_dir, member_id)
-    try:
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{generation} {index}")
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
+    """Record that ``member_id`` is member ``index`` of ``generation`` (a run without a run
+    directory records nothing: the console then relies on the coordinator's answer alone)."""
+    member_files.write(run_dir, member_id, KIND, f"{generation} {index}")
 
 
 def newest_leader(run_dir: str, member_ids: list[str]) -> tuple[int, str] | None:
@@ -40,9 +29,8 @@ def newest_leader(run_dir: str, member_ids: list[str]) -> tuple[int, str] | None
     best: tuple[int, str] | None = None
     for member in member_ids:
         try:
-            with open(_path(run_dir, member)) as f:
-                generation, index = (int(x) for x in f.read().split())
-        except (OSError, ValueError):
+            generation, index = (int(x) for x in (member_files.read(run_dir, member, KIND) or "").split())
+        except ValueError:
             continue
         if index == 0 and (best is None or generation > best[0]):
             best = (generation, member)

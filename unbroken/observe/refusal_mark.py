@@ -11,38 +11,24 @@ verdict, whichever process exited first.
 
 from __future__ import annotations
 
-import os
+from unbroken.observe import member_files
 
-
-def _path(run_dir: str, member_id: str) -> str:
-    return os.path.join(run_dir, "workers", f"{member_id}.refused")
+KIND = "refused"
 
 
 def write(run_dir: str | None, member_id: str, code: int) -> None:
-    """Record that ``member_id`` was refused and exits with ``code`` (nothing without a run
-    directory, or where it cannot be written)."""
-    if not run_dir:
-        return
-    try:
-        with open(_path(run_dir, member_id) + ".tmp", "w") as f:
-            f.write(str(code))
-        os.replace(_path(run_dir, member_id) + ".tmp", _path(run_dir, member_id))
-    except OSError:
-        pass
+    """Record that ``member_id`` was refused and exits with ``code``."""
+    member_files.write(run_dir, member_id, KIND, str(code))
 
 
 def read(run_dir: str, member_id: str) -> int | None:
     """The exit status ``member_id`` was refused with, or None if it was not refused."""
     try:
-        with open(_path(run_dir, member_id)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
+        return int((member_files.read(run_dir, member_id, KIND) or "").strip())
+    except ValueError:
         return None
 
 
 def clear(run_dir: str, member_id: str) -> None:
     """Forget a refusal recorded for ``member_id`` (the launcher, before it starts the member)."""
-    try:
-        os.remove(_path(run_dir, member_id))
-    except OSError:
-        pass
+    member_files.remove(run_dir, member_id, KIND)
