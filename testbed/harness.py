@@ -102,16 +102,24 @@ def command(argv: list[str], run_dir: str | None, timeout: float, env: dict[str,
         start_new_session=True,
         env={**os.environ, **(env or {})},
     )
+    out, err = finish(proc, run_dir, timeout, f"unbroken {' '.join(argv)}")
+    return Run(proc.returncode, out, err, run_dir or "")
+
+
+def finish(proc: subprocess.Popen, run_dir: str | None, timeout: float = 180.0, what: str = "unbroken") -> tuple[str, str]:
+    """Wait for ``proc`` (started in its own session) within ``timeout``, killing its session if it
+    outlives it (the test fails, showing the ends of its output); then every worker of
+    ``run_dir`` still alive. Returns its stdout and stderr."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"unbroken {' '.join(argv)} did not end within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+        raise AssertionError(f"{what} did not end within {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     finally:
-        if run_dir is not None:
+        if run_dir:
             kill_leftovers(run_dir)
-    return Run(proc.returncode, out, err, run_dir or "")
+    return out, err
 
 
 def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import subprocess
 
 import pytest
 
@@ -17,17 +16,7 @@ pytestmark = pytest.mark.slow
 start = harness.start_in
 
 
-def finish(proc, run_dir, timeout=180):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"did not end within {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
-    finally:
-        if run_dir:
-            harness.kill_leftovers(run_dir)
-    return out, err
+finish = harness.finish
 
 
 def test_a_stopped_worker_is_dropped_within_the_heartbeat_timeout_and_rejoins_without_stale_commits(tmp_path, reference):
