@@ -68,7 +68,11 @@ EXIT_PEER_SILENT = 75
 EX_TEMPFAIL: a restart of the whole group is the cure). Distinct from a crash (1), a refusal
 (:data:`EXIT_MISMATCH`, 78) and a worker whose parent died (3)."""
 
-RESTARTABLE_EXITS = frozenset({EXIT_PEER_SILENT, EXIT_RESTART_FRESH})
+EXIT_STRAGGLER = 74
+"""Exit status of a member that ``--stragglers evict`` ended for staying far slower than the
+others: restarted and counted toward quarantine like a failure, never taken for the script's own error."""
+
+RESTARTABLE_EXITS = frozenset({EXIT_PEER_SILENT, EXIT_RESTART_FRESH, EXIT_STRAGGLER})
 """Exits that ask for a restart: never counted as the script's own error."""
 
 

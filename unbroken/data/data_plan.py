@@ -6,6 +6,11 @@ contiguous share of that batch (share sizes differ by at most one) and splits it
 micro-batches no larger than the configured size. Everything here is a pure function of
 ``(seed, step, member index, member count)``, so any member, in any generation, computes the
 same plan and a redone step processes exactly the samples of the failed attempt.
+
+A :class:`Split` replaces the member count when the members' shares are not equal (a slow member
+given fewer micro-batches, :mod:`unbroken.data.balance`): the shares are then the split's sizes,
+in member order, still a partition of the global batch, so the samples and their order do not
+change, only who computes which.
 """
 
 from __future__ import annotations
@@ -25,6 +30,26 @@ def _positive_int(name: str, value: object) -> int:
 
 
 @dataclass(frozen=True)
+class Split:
+    """Unequal shares of a global batch: ``sizes[i]`` samples for the member at index ``i``."""
+
+    sizes: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __str__(self) -> str:
+        return f"{len(self.sizes)} (shares {'/'.join(map(str, self.sizes))})"
+
+    def digest(self) -> int:
+        """A number below 2**40 that names these sizes: members compare it to agree on a split."""
+        value = 1469598103934665603
+        for size in self.sizes:
+            value = ((value ^ size) * 1099511628211) & 0xFFFF_FFFF_FFFF_FFFF
+        return (value >> 24) or 1
+
+
+@dataclass(frozen=True)
 class DataPlan:
     """The sample stream of one job: data set length, global batch size, micro-batch size, seed."""
 
@@ -40,18 +65,25 @@ class DataPlan:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 
-    def share(self, step: int, index: int, count: int) -> range:
-        """Stream positions of ``step`` that member ``index`` of ``count`` processes."""
-        if count <= 0 or not 0 <= index < count:
+    def share(self, step: int, index: int, count: "int | Split") -> range:
+        """Stream positions of ``step`` that member ``index`` of ``count`` processes (equal
+        shares), or of a :class:`Split`'s ``len`` members (the split's shares)."""
+        members = len(count) if isinstance(count, Split) else count
+        if members <= 0 or not 0 <= index < members:
             raise ValueError(f"member index {index} is not in a generation of {count}")
         g = self.global_batch_size
+        if isinstance(count, Split):
+            if sum(count.sizes) != g or min(count.sizes) < 0:
+                raise ValueError(f"the split {count} is not a partition of the global batch of {g}")
+            start = sum(count.sizes[:index])
+            return range(step * g + start, step * g + start + count.sizes[index])
         base, extra = divmod(g, count)
         start = index * base + min(index, extra)
         size = base + (1 if index < extra else 0)
         first = step * g
         return range(first + start, first + start + size)
 
-    def micro_batches(self, step: int, index: int, count: int) -> list[range]:
+    def micro_batches(self, step: int, index: int, count: "int | Split") -> list[range]:
         """The member's share of ``step`` cut into micro-batches of at most the configured size."""
         share = self.share(step, index, count)
         m = self.micro_batch_size

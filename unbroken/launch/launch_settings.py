@@ -116,6 +116,10 @@ class LaunchSettings:
     """Collective backend of the workers (``--backend``, passed as ``UNBROKEN_BACKEND``): ``gloo``,
     ``nccl`` or ``auto`` (NCCL when the model is on a GPU). ``nccl`` on a machine without CUDA is
     refused before any worker starts."""
+    stragglers: str = "balance"
+    """What the workers do about a slow member (``--stragglers``, passed as ``UNBROKEN_STRAGGLERS``):
+    ``balance`` (fewer micro-batches for it, flagged), ``report`` (flagged only), ``evict`` (also
+    ended when it stays below half the median pace for 20 steps) or ``off``."""
     etcd: str | None = None
     """``HOST:PORT,...`` of an etcd cluster: the embedded coordinator is then one of several
     candidates (one per launcher), the one that leads serves, and the job survives the loss of

@@ -63,6 +63,10 @@ def _add_run_workers(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
     _flag(p, "--quarantine-cooloff", type=float, default=d["quarantine_cooloff"].default,
           help="seconds a quarantined slot is not started; then it starts again with a fresh budget (default %(default)s)")
     _flag(p, "--run-dir", default=None, help="logs and events go here (default unbroken-runs/<time>-<pid>)")
+    _flag(p, "--stragglers", choices=["balance", "report", "evict", "off"], default=d["stragglers"].default,
+          help="a member slower than the others: balance gives it fewer micro-batches (the same model) and flags it,"
+               " report only flags it, evict also ends one that stays below half the median pace, off measures nothing"
+               " (default %(default)s)")
     _flag(p, "--backend", choices=["auto", "gloo", "nccl"], default=d["backend"].default,
           help="collective backend of the workers: gloo (CPU or CUDA tensors), nccl (CUDA), or auto: NCCL when the model is on a GPU (default %(default)s)")
 
@@ -204,6 +208,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         chaos=args.chaos,
         record_samples=args.record_samples,
         backend=args.backend,
+        stragglers=args.stragglers,
         token=args.token or env.get("UNBROKEN_TOKEN") or None,
         etcd=place.etcd,
         job_id=place.job_id,

@@ -132,6 +132,7 @@ class WorkerProcesses:
         if s.record_samples:
             env["UNBROKEN_RECORD_SAMPLES"] = "1"
         env["UNBROKEN_BACKEND"] = s.backend
+        env["UNBROKEN_STRAGGLERS"] = s.stragglers
         if s.checkpoint_dir:
             env["UNBROKEN_CHECKPOINT_DIR"] = s.checkpoint_dir
             env["UNBROKEN_CHECKPOINT_KEEP"] = str(s.checkpoint_keep)

@@ -156,7 +156,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unbroken.data.data_plan import DataPlan
+from unbroken.data.data_plan import DataPlan, Split
 from unbroken.errors import ConfigError
 
 __all__ = [
@@ -237,10 +237,10 @@ class ProcessPlan(DataPlan):
         super().__post_init__()
         _check_index("process", self.process, self.group_size)
 
-    def share(self, step: int, index: int, count: int) -> range:
+    def share(self, step: int, index: int, count: "int | Split") -> range:
         return _part(DataPlan.share(self, step, index, count), self.process, self.group_size)
 
-    def micro_batches(self, step: int, index: int, count: int) -> list[range]:
+    def micro_batches(self, step: int, index: int, count: "int | Split") -> list[range]:
         group_share = DataPlan.share(self, step, index, count)
         largest = len(_part(group_share, 0, self.group_size))
         m = self.micro_batch_size

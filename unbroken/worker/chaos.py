@@ -13,7 +13,8 @@ reaches it: ``sleep=SECONDS`` each time, or ``by=FACTOR``, default 2, to take FA
 as the time since the previous visit; for ``for=SECONDS``, default the rest of the process's life),
 ``fail`` (the member reports that a collective of its generation failed and abandons it, as after
 a broken connection, without any process dying: the generation re-forms with the same members).
-Points: ``step`` (start of a step), ``allreduce`` (every gradient bucket of the step was sent, none
+Points: ``step`` (start of a step), ``micro`` (each micro-batch the step hands the loop: with
+``slow``, a member that computes slower, as a straggler does), ``allreduce`` (every gradient bucket of the step was sent, none
 waited for yet), ``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing
 source, after the transfer began), ``save`` (the checkpoint writer, after the data was written and
 before the manifest is published).
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from unbroken.errors import ConfigError
 
 KINDS = ("kill", "hang", "spin", "slow", "fail")
-POINTS = ("step", "allreduce", "commit", "heal", "save")
+POINTS = ("step", "micro", "allreduce", "commit", "heal", "save")
 ENV = "UNBROKEN_CHAOS"
 _INT_KEYS = ("rank", "step", "restart", "seed")
 _SECONDS_KEYS = {"for": "duration", "at": "at", "sleep": "sleep", "by": "by"}

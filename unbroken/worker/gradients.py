@@ -100,6 +100,11 @@ class GradientReducer:
         self.control: torch.Tensor | None = None
         """The control slots' own float64 buffer, when the first bucket is half precision."""
         self._control_work: Any = None
+        self.pace: torch.Tensor | None = None
+        """The pace exchange of this step (:mod:`unbroken.worker.pacing`), reduced after bucket 0."""
+        self._pace_work: Any = None
+        self.paces: list[float] = []
+        """The summed pace exchange of the last finished step (empty without one)."""
         self.ticks = 0
         """Gradients that became final, ever: progress the coordinator's watchdog sees."""
         self._build(bucket_cap_bytes, first_bucket_cap_bytes)
@@ -142,8 +147,9 @@ class GradientReducer:
     # -- per step ------------------------------------------------------------------------------
 
     def arm(self, group: GenerationGroup, reconfigure: bool, weighted_loss: torch.Tensor | None, count: float | None = None,
-            stop: bool = False) -> None:
-        """Start reducing buckets as their gradients become final (call before the last backward)."""
+            stop: bool = False, pace: list[float] | None = None) -> None:
+        """Start reducing buckets as their gradients become final (call before the last backward).
+        ``pace``: this member's part of the pace exchange, summed with the gradients."""
         self._group = group
         self._armed = True
         self._next = 0
@@ -152,7 +158,10 @@ class GradientReducer:
             bucket.ready = 0
             bucket.work = None
             bucket.launched = False
-        self._control_work = None
+        self._control_work = self._pace_work = None
+        self.paces = []
+        device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        self.pace = None if pace is None else torch.tensor(pace, dtype=torch.float64, device=device)
         control = self._control_slots()
         if control is not None:
             control[0] = 1.0 if reconfigure else 0.0
@@ -196,6 +205,8 @@ class GradientReducer:
                 bucket.launched = True
                 if self._next == 1 and self.control is not None:  # every member, right after bucket 0
                     self._control_work = self._group.start_allreduce(self.control)
+                if self._next == 1 and self.pace is not None:
+                    self._pace_work = self._group.start_allreduce(self.pace)
             except Exception as exc:  # the group is broken: finish() reports it
                 self.error = exc
 
@@ -222,6 +233,9 @@ class GradientReducer:
             self._group.wait(bucket.work, f"gradient allreduce (bucket {i})")
         if self._control_work is not None:
             self._group.wait(self._control_work, "control allreduce")
+        if self._pace_work is not None:
+            self._group.wait(self._pace_work, "pace exchange")
+            self.paces = self.pace.tolist()
         for bucket in self.buckets:
             bucket.unpack()
         control = self._control_slots()
@@ -249,7 +263,7 @@ class GradientReducer:
             bucket.launched = False
         if self.control is not None:
             self.control = torch.zeros_like(self.control)
-        self._control_work = None
+        self._control_work = self._pace_work = self.pace = None
 
     def remove(self) -> None:
         for hook in self._hooks:

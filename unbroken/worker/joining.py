@@ -150,6 +150,7 @@ class Joiner:
                 "gradient buckets": hashlib.sha256(";".join(layout).encode()).hexdigest()[:16] + f" ({len(layout)} buckets)",
                 "bucket_cap_mb": str(job.settings.bucket_cap_mb),
                 "verify_every": str(job.settings.verify_every),
+                "stragglers": job.settings.stragglers,
                 "total steps": str(job.total),
                 "data plan": (
                     f"dataset {job.plan.dataset_len}, global batch {job.plan.global_batch_size},"

@@ -180,6 +180,14 @@ class Job:
             lambda: self._joiner.group, self._rejoin, self._joiner.busy, lambda: self.next_step, self._device,
             self.settings.collective_timeout,
         )
+        from unbroken.data.balance import BalanceSettings
+        from unbroken.worker.pacing import Pacing
+
+        grouped = self._group is not None and self._group.grouped
+        self._pacing = Pacing(
+            BalanceSettings(mode=self.settings.stragglers if self.distributed else "off"), self.plan.global_batch_size,
+            self.plan.micro_batch_size * (self._group.size if grouped else 1), self._group.size if grouped else 1, self._events,
+        )
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
         self._current_step: Step | None = None
         self._default_group = None
@@ -459,12 +467,24 @@ class Job:
                 if self._joiner.group is None or self._joiner.group.number != step.generation:
                     continue  # re-formed inside the body (on_leader's leader died): the new generation starts at its first step
                 self._checkpointing.maybe_save()
+                if self._pacing.evicted:
+                    self._leave_as_straggler()
                 if step.reconfigure:
                     self._joiner.close_group()
                 elif self.settings.verify_every and self.next_step % self.settings.verify_every == 0 and self.next_step < total:
                     self._together(self._verify_replicas(), "could not compare replicas")
         finally:
             self._stop(finished)
+
+    def _leave_as_straggler(self) -> None:
+        """``--stragglers evict`` chose this member (every member knows it at the same step):
+        leave at this boundary, unfinished, with the exit status a launcher counts as a failure."""
+        from unbroken.errors import EXIT_STRAGGLER
+
+        reason = self._pacing.evicted
+        self._events.emit("evicted", step=self.next_step - 1, member=self.member_id, reason=reason)
+        print(f"unbroken: {self.member_id}: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_STRAGGLER)
 
     def _first_step_barrier(self) -> bool:
         """Before the first step of each generation, wait until every member is at its start
@@ -524,7 +544,7 @@ class Job:
 
     def _batch(self, step: Step, micro: int) -> Any:
         """Micro-batch ``micro`` of this member's share of ``step`` (see :mod:`unbroken.data.loader`)."""
-        return self._loader.get(step.index, step.rank, step.members, micro)
+        return self._loader.get(step.index, step.rank, step.split, micro)
 
     def _count_grad(self, _: torch.Tensor) -> None:
         self._grad_events += 1

@@ -65,7 +65,17 @@ class RuntimeSettings:
     that libraries that read the world (rank-zero loggers, metric syncs) see this member's rank
     and the generation's size; see :mod:`unbroken.worker.default_group`. Replica groups keep their own."""
 
+    stragglers: str = "balance"
+    """What to do about a member slower than the others (``UNBROKEN_STRAGGLERS``): ``balance``
+    gives it fewer micro-batches and flags it, ``report`` only flags it, ``evict`` also ends a member
+    that stays below half the median pace for 20 steps, ``off`` measures nothing
+    (:mod:`unbroken.data.balance`). Every member of a job must use the same."""
+
     def __post_init__(self) -> None:
+        from unbroken.data.balance import MODES
+
+        if self.stragglers not in MODES:
+            raise ConfigError(f"stragglers must be one of {', '.join(MODES)}, got {self.stragglers!r} (UNBROKEN_STRAGGLERS)")
         if not 0 < self.heartbeat_interval < self.collective_timeout:
             raise ConfigError("need 0 < heartbeat_interval < collective_timeout")
         if not self.heartbeat_interval < self.lease:

@@ -32,8 +32,10 @@ class Step:
         self.generation = job.generation
         self.rank = job.member_index
         self.members = job.member_count
-        self.positions = job.plan.share(index, self.rank, self.members)
-        self._micro = job.plan.micro_batches(index, self.rank, self.members)
+        self.split = job._pacing.count(self.generation, self.members) if job._reducer is not None else self.members
+        """The member count, or the unequal shares that follow the members' paces (:mod:`unbroken.data.balance`)."""
+        self.positions = job.plan.share(index, self.rank, self.split)
+        self._micro = job.plan.micro_batches(index, self.rank, self.split)
         self._backwards = 0
         self._taken = 0  # micro-batches yielded
         self._loss_sum: torch.Tensor | None = None
@@ -52,6 +54,7 @@ class Step:
         reduce: the step is not committed, and the job ends at the boundary before it."""
         self.error: Exception | None = None
         self.started = time.monotonic()
+        job._pacing.start(job._device)
         self._grads_at_start = job._grad_count()
         self._grads_in_backward = 0
         self._counting: bool | None = None  # backward(count=...) used in this step
@@ -87,6 +90,7 @@ class Step:
                     self._stale = job._abandon_reason(self.generation)
                 if self._stale:
                     return
+                job._chaos.point("micro", self.index)
                 batch = job._batch(self, micro)
                 self._taken += 1
                 job._ticks += 1
@@ -183,7 +187,7 @@ class Step:
             return
         job._samples.attempt(self, job._group)
         job._reducer.arm(job._joiner.group, job._joiner.reconfigure_wanted(), self._loss_sum, self._count if self._counting else None,
-                         stop=job.stop_reason is not None)
+                         stop=job.stop_reason is not None, pace=job._pacing.slots(self.rank, self.members))
 
     def reduce(self) -> bool:
         """Allreduce the gradients; afterwards ``.grad`` holds the global-batch gradient on every member.
@@ -236,6 +240,7 @@ class Step:
         job = self.job
         error: GenerationFailed | None = None
         sums = [0.0] * 5
+        job._pacing.measured(self.started, self.samples)
         try:
             self._arm()
             if self._stale:
@@ -244,13 +249,28 @@ class Step:
             self._sync_buffers()
         except GenerationFailed as exc:
             error = exc
-        ok, sums = job._vote(error is None, self.generation, sums)
+        width = len(job._pacing.slots(self.rank, self.members) or ())  # the same for every process of a group
+        paces = job._reducer.paces if error is None and len(job._reducer.paces) == width else [0.0] * width
+        ok, sums = job._vote(error is None, self.generation, sums + paces)
         if error is None and not ok:
             error = GenerationFailed(f"step {self.index}: another process of this replica group could not reduce its shard")
+        if error is None:
+            disagree = job._pacing.take(sums[5:], self.index)
+            if disagree:
+                error = GenerationFailed(disagree)
         if error is not None:
             raise error
-        flag, loss, count, counting, stop = sums
+        self._report_pace()
+        flag, loss, count, counting, stop = sums[:5]
         return flag, loss, count, counting, stop
+
+    def _report_pace(self) -> None:
+        """The leader names stragglers and new splits; a member to evict learns it (:mod:`unbroken.worker.pacing`)."""
+        job = self.job
+        group = job._joiner.group
+        names = list(group.members) if group is not None and len(group.members) == self.members else [f"rank{i}" for i in range(self.members)]
+        leader = self.rank == 0 and (job._group is None or job._group.leader)
+        job._pacing.report(self.index, self.rank, names, leader)
 
     def _sync_buffers(self) -> None:
         """Give every member the buffers (BatchNorm statistics, ...) of the generation's rank 0,

@@ -21,6 +21,7 @@ RUN_FLAGS = [
     ["--restart-window", "--restart_window"],
     ["--quarantine-cooloff", "--quarantine_cooloff"],
     ["--run-dir", "--run_dir"],
+    ["--stragglers"],
     ["--backend"],
     ["--coordinator"],
     ["--rdzv-endpoint", "--rdzv_endpoint"],
