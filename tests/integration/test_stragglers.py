@@ -6,6 +6,7 @@ restarted, and the job ends well."""
 import pytest
 
 from testbed import harness
+from unbroken.observe.report import analyze, load
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,8 @@ def test_a_slowed_member_is_flagged_and_given_fewer_micro_batches_with_the_same_
     first = shares[0]
     mine = first["shares"][first["members"].index(slow)]
     assert mine < GLOBAL / 3 and all(s % MICRO == 0 for s in first["shares"]), first
+    (row,) = analyze(load([run_dir]))["stragglers"]
+    assert row["member"] == slow and row["share"] < GLOBAL / 3 and not row["evicted"], row  # unbroken report's table
     assert len(run.events("generation")) >= 2, "the kill formed a new generation, which started with equal shares"
     harness.check_exactly_once(run.run_dir, steps, GLOBAL)
     single = harness.single_process(str(tmp_path / "single"), "--steps", str(steps), *SHAPE[:4])

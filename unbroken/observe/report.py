@@ -99,6 +99,22 @@ def _incident_rows(found: list[Incident], t0: float | None) -> list[dict[str, An
     ]
 
 
+def _straggler_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per flagged member: when, how slow, the share it was given after, whether evicted."""
+    rows: dict[str, dict[str, Any]] = {}
+    for e in events:
+        member = e.get("member")
+        if e["kind"] == "straggler" and member not in rows:
+            rows[member] = {"member": member, "step": e.get("step"), "pace": e.get("pace"), "share": None, "evicted": False}
+        elif e["kind"] == "rebalanced" and e.get("shares"):
+            for name, share in zip(e.get("members") or [], e["shares"]):
+                if name in rows:
+                    rows[name]["share"] = share
+        elif e["kind"] == "evicted" and member in rows:
+            rows[member]["evicted"] = True
+    return list(rows.values())
+
+
 def analyze(log: Log) -> dict[str, Any]:
     """The report's figures, as JSON-ready values (no NaN)."""
     events = log.events
@@ -145,6 +161,7 @@ def analyze(log: Log) -> dict[str, Any]:
         "finished": any(e["kind"] == "finished" for e in events),
         "job_failed": str(failed[0].get("reason")) if failed else None,
         "incidents": _incident_rows(found, t0),
+        "stragglers": _straggler_rows(events),
     }
     samples = [num(s, "samples") for s in final.values()]
     if final and all(v is not None for v in samples):

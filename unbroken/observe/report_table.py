@@ -92,6 +92,14 @@ def print_table(figures: dict[str, Any], file=None) -> None:
             stall_text = _seconds(i["stall_seconds"]) if i["affected"] else "(not in the running generation)"
             inc.add_row(f"{i['at']:.2f} s", i["kind"], ", ".join(i["members"]) or "-", str(i["generation"]), stall_text)
         console.print(inc)
+    if f.get("stragglers"):
+        slow = Table(title="stragglers", title_justify="left")
+        for name in ("member", "flagged at step", "pace", "share after", "evicted"):
+            slow.add_column(name)
+        for s in f["stragglers"]:
+            pace = "-" if s["pace"] is None else f"{s['pace']:.0%}"
+            slow.add_row(str(s["member"]), str(s["step"]), pace, "-" if s["share"] is None else str(s["share"]), "yes" if s["evicted"] else "no")
+        console.print(slow)
     if f["bad_lines"]:
         console.print(bad_lines_text(f["bad_lines"]), style="yellow", soft_wrap=True)
     if f.get("timeline"):
