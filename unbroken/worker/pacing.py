@@ -94,6 +94,10 @@ class Pacing:
         values[members + rank] = float(self._balancer.digest())
         return values
 
+    def width(self, members: int) -> int:
+        """Length of the exchanged vector (what :meth:`slots` returns, without building it)."""
+        return 2 * members if self.settings.measures and self._balancer is not None else 0
+
     def take(self, summed: list[float], step: int) -> str | None:
         """Every member's numbers after the exchange (and a group's vote): check the split was
         the same everywhere, then update the balancer. A reason to fail the step, or None."""

@@ -249,7 +249,7 @@ class Step:
             self._sync_buffers()
         except GenerationFailed as exc:
             error = exc
-        width = len(job._pacing.slots(self.rank, self.members) or ())  # the same for every process of a group
+        width = job._pacing.width(self.members)  # the same for every process of a group
         paces = job._reducer.paces if error is None and len(job._reducer.paces) == width else [0.0] * width
         ok, sums = job._vote(error is None, self.generation, sums + paces)
         if error is None and not ok:
