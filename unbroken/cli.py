@@ -86,7 +86,10 @@ def _status(args: argparse.Namespace) -> int:
     for prefix, left in (status.get("quarantined") or {}).items():
         print(f"quarantined: {prefix}* for {left:.0f} s more")
     for m in status["members"]:
-        print(f"  {m['member']:<28} {m['state']:<8} step {m['step']:<7} heartbeat {m['heartbeat_age']:.1f} s ago" + (f"  ({m['reason']})" if m["reason"] else ""))
+        pace = m.get("pace")
+        pace_text = "" if pace is None else f"  pace {pace:.0%}" + (" straggler" if m.get("straggler") else "")
+        print(f"  {m['member']:<28} {m['state']:<8} step {m['step']:<7} heartbeat {m['heartbeat_age']:.1f} s ago"
+              + pace_text + (f"  ({m['reason']})" if m["reason"] else ""))
     return 0
 
 

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from testbed import harness
+from testbed.watching import status, watched_run
 
 pytestmark = pytest.mark.slow
 
@@ -30,79 +24,25 @@ KILL_STEP = 15
 STEP_DELAY = 0.2
 
 
-def scrape(port: int, token: str) -> dict[str, float] | None:
-    """``{metric name{labels}: value}`` from the coordinator, or None if it did not answer."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            text = response.read().decode()
-    except (urllib.error.URLError, OSError):
-        return None
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            found[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return found
-
-
-def status(port: int, token: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "unbroken", "status", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60,
-        env={**os.environ, "UNBROKEN_TOKEN": token},
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory):
     """Run the job, scraping its metrics throughout; returns what was seen."""
     run_dir = str(tmp_path_factory.mktemp("observed") / "run")
-    out_path = os.path.join(os.path.dirname(run_dir), "console.txt")
-    argv = [
-        sys.executable, "-m", "unbroken", "run", "--run-dir", run_dir, "--nproc-per-node", "3",
-        "--chaos", f"kill@step,rank=1,step={KILL_STEP}", "--restart-backoff", "5", "--progress-interval", "2",
-        harness.EXACT, "--steps", str(STEPS), "--step-delay", str(STEP_DELAY),
-    ]
-    seen: dict = {"scrapes": [], "status": {}}
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        start = harness.wait_for(lambda: harness.Run(0, "", "", run_dir).events("coordinator_start"), 60, "the coordinator to start")
-        port = start[0]["port"]
-        # the embedded coordinator's token, readable by this user only
-        token_file = os.path.join(run_dir, "coordinator.json")
-        harness.wait_for(lambda: os.path.exists(token_file), 30, "the coordinator's token file")  # written once it listens
-        assert oct(os.stat(token_file).st_mode & 0o777) == "0o600"
-        with open(token_file) as f:
-            token = json.load(f)["token"]
+    statuses: dict[str, str] = {}
 
-        def observe() -> bool:
-            if proc.poll() is not None:
-                return True
-            metrics = scrape(port, token)
-            if metrics is None:
-                return False
-            seen["scrapes"].append((time.time(), metrics))
-            members, generation = metrics["unbroken_members"], metrics["unbroken_generation"]
-            if generation >= 1 and members == 3 and "healthy" not in seen["status"]:
-                seen["status"]["healthy"] = status(port, token)
-            if members == 2 and "healthy" in seen["status"] and "degraded" not in seen["status"]:
-                seen["status"]["degraded"] = status(port, token)
-            return False
+    def observe(metrics: dict[str, float], port: int, token: str) -> None:
+        members, generation = metrics["unbroken_members"], metrics["unbroken_generation"]
+        if generation >= 1 and members == 3 and "healthy" not in statuses:
+            statuses["healthy"] = status(port, token)
+        if members == 2 and "healthy" in statuses and "degraded" not in statuses:
+            statuses["degraded"] = status(port, token)
 
-        harness.wait_for(observe, 240, "the run to end")
-        seen["code"] = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        seen["leftovers"] = harness.kill_leftovers(run_dir)
-    with open(out_path) as f:
-        seen["console"] = f.read()
-    seen["run"] = harness.Run(seen["code"], seen["console"], "", run_dir)
-    return seen
+    seen = watched_run(run_dir, [
+        "--nproc-per-node", "3", "--chaos", f"kill@step,rank=1,step={KILL_STEP}", "--restart-backoff", "5",
+        "--progress-interval", "2", harness.EXACT, "--steps", str(STEPS), "--step-delay", str(STEP_DELAY),
+    ], observe)
+    assert seen["token_mode"] == "0o600"
+    return {**seen, "status": statuses}
 
 
 def test_the_run_finished_with_one_kill_and_its_rejoin(observed):

@@ -160,6 +160,7 @@ class CoordinatorApi:
             progress=int(progress) if isinstance(progress, int) else None,
             busy=body.get("busy") or None,
             warm=body.get("warm") if isinstance(body.get("warm"), bool) else None,
+            pace=body.get("pace") if isinstance(body.get("pace"), dict) else None,
         )
         if self.leadership is None and self.state.take_survivors(time.monotonic()):
             self._bump()  # the last survivor of a verdict reported waiting in a collective
@@ -392,6 +393,8 @@ class CoordinatorApi:
                         "state": m.state.value,
                         "step": m.step,
                         "heartbeat_age": round(now - m.last_heartbeat, 3),
+                        "pace": m.pace,
+                        "straggler": m.straggler,
                         "reason": m.death_reason,
                     }
                     for m in self.state.members.values()

@@ -201,6 +201,8 @@ class Heartbeat:
         """True once this process has committed a step (its first step is judged more leniently)."""
         self.progress: Callable[[], int] = lambda: 0
         """Reads the member's progress counter; sent with every heartbeat."""
+        self.pace: Callable[[], dict[str, Any] | None] = lambda: None
+        """Reads the member's pace (:meth:`unbroken.worker.pacing.Pacing.summary`); sent with every heartbeat."""
         self.view: dict[str, Any] = {}
         self.answered = time.monotonic()
         """When (monotonic) the request whose reply :attr:`view` holds was sent: the member's lease
@@ -234,6 +236,7 @@ class Heartbeat:
                     progress=self.progress(),
                     busy=self.busy,
                     warm=self.warm,
+                    pace=self.pace(),
                     seen=self.view,
                     hold=hold,
                 )

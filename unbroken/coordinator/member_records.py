@@ -54,6 +54,13 @@ class Member:
     warm: bool = True
     """False until the member has committed a step in its process: its first step may include
     compilation and lazy imports, judged against ``warmup_timeout`` instead."""
+    pace: float | None = None
+    """Its pace as a fraction of the median member's, as the members measured it in-band (the median
+    of a window of steps, :mod:`unbroken.data.balance`); None until reported."""
+    straggler: bool = False
+    """The members flag it as a straggler (slower than the threshold for a window of steps)."""
+    exchange_seconds: float | None = None
+    """Seconds it spent in its last gradient exchange: waiting for slower peers, and the transfer."""
     death_reason: str | None = None
     ended_at: float | None = None
     """When (coordinator clock) it died or left: it is forgotten ``forget_after`` seconds later."""

@@ -231,6 +231,7 @@ class Membership(Liveness):
         progress: int | None = None,
         busy: str | None = None,
         warm: bool | None = None,
+        pace: dict[str, Any] | None = None,
     ) -> Member | None:
         member = self.members.get(member_id)
         if member is None:
@@ -262,6 +263,8 @@ class Membership(Liveness):
             member.busy = busy
             if warm is not None:
                 member.warm = warm
+            if pace is not None:
+                _take_pace(member, pace)
         return member
 
     def report_failure(self, member_id: str, generation: int, now: float) -> bool:
@@ -458,3 +461,14 @@ class Membership(Liveness):
             "finished": self.finished,
             "failed": self.failed,
         }
+
+
+def _take_pace(member: Member, pace: dict[str, Any]) -> None:
+    """Keep what a member's heartbeat says of its pace; values of the wrong type are ignored."""
+    relative, exchange = pace.get("pace"), pace.get("exchange_seconds")
+    if isinstance(relative, (int, float)) and not isinstance(relative, bool) and relative >= 0:
+        member.pace = float(relative)
+    if isinstance(exchange, (int, float)) and not isinstance(exchange, bool) and exchange >= 0:
+        member.exchange_seconds = float(exchange)
+    if isinstance(pace.get("straggler"), bool):
+        member.straggler = pace["straggler"]

@@ -102,7 +102,8 @@ def _draw_loss(ax: Any, steps: list[dict[str, Any]], t0: float) -> list[tuple[fl
 
 
 def _draw_marks(axes: tuple[Any, Any, Any], events: list[dict[str, Any]], figures: dict[str, Any], t0: float) -> None:
-    """Failures and checkpoints on every panel, restarts on the members panel, and its legend."""
+    """Failures and checkpoints on every panel, restarts and stragglers (flagged, evicted) on the
+    members panel, rebalancing on the throughput panel, and the legend."""
     ax_members = axes[0]
     for n, incident in enumerate(figures["incidents"]):
         for ax in axes:
@@ -114,5 +115,14 @@ def _draw_marks(axes: tuple[Any, Any, Any], events: list[dict[str, Any]], figure
     if restarts:
         top = ax_members.get_ylim()[1]
         ax_members.plot(restarts, [top - 0.5] * len(restarts), linestyle="none", marker="v", color="tab:orange", label="restart")
+    for kind, marker, color in (("straggler", "x", "tab:brown"), ("evicted", "X", "black")):
+        when = [e["t"] - t0 for e in events if e["kind"] == kind]
+        if when:
+            ax_members.plot(when, [0.5] * len(when), linestyle="none", marker=marker, color=color, label=kind)
+    rebalanced = [e["t"] - t0 for e in events if e["kind"] == "rebalanced"]
+    if rebalanced:
+        ax_rate = axes[1]
+        ax_rate.plot(rebalanced, [0.0] * len(rebalanced), linestyle="none", marker="^", color="tab:olive", label="rebalanced", clip_on=False)
+        ax_rate.legend(loc="upper left", fontsize=8)
     if ax_members.get_legend_handles_labels()[0]:
         ax_members.legend(loc="lower right", fontsize=8)

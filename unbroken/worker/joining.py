@@ -93,6 +93,7 @@ class Joiner:
             self.client = CoordinatorClient(settings.coordinator, settings.coordinator_timeout, settings.token)
             self.heartbeat = Heartbeat(self.client, job.member_id, settings.heartbeat_interval, self._on_view, max_age=settings.lease)
             self.heartbeat.progress = job._progress if group is None else group.relay.group_progress
+            self.heartbeat.pace = job._pacing.summary
             self.heartbeat.start()
         job._samples.open()
         ExitGuard.install(job)

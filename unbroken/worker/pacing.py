@@ -44,6 +44,9 @@ class Pacing:
         self._generation: int | None = None
         self._last = 0.0  # this member's seconds per sample in its last measured step
         self._started: Any = None  # a CUDA event: the step's start on the device
+        self._exchange_began = 0.0
+        self._exchange = 0.0  # seconds this member spent in its last gradient exchange
+        self._summary: dict[str, Any] | None = None
         self.evicted: str | None = None
         """Why this member must leave as a straggler (``--stragglers evict``), once decided."""
 
@@ -82,6 +85,13 @@ class Pacing:
         else:
             seconds = time.monotonic() - started
         self._last = seconds / samples
+        self._exchange_began = time.monotonic()
+
+    def exchanged(self) -> None:
+        """The step's gradients are reduced: keep how long this member waited in the exchange
+        (for its peers' shares, and the transfer itself). A fast member waits for a slow one."""
+        if self._exchange_began:
+            self._exchange = time.monotonic() - self._exchange_began
 
     # -- the exchange -----------------------------------------------------------------------------
 
@@ -123,6 +133,9 @@ class Pacing:
         if balancer is None:
             return
         relative = balancer.relative_paces()
+        self._summary = {"pace": None if relative[rank] is None else round(relative[rank], 4),
+                         "straggler": rank in balancer.flagged(),
+                         "exchange_seconds": round(self._exchange, 6)}
         if leader:
             for i in balancer.newly_flagged():
                 pace = relative[i]
@@ -141,10 +154,9 @@ class Pacing:
                             f" {balancer.settings.evict_after} steps (at {relative[rank]:.0%}, step {step});"
                             " it leaves the job as a straggler (--stragglers evict)")
 
-    def slowest(self) -> tuple[int, float | None]:
-        """How many members are flagged now, and the lowest relative pace (for the heartbeat)."""
-        balancer = self._balancer
-        if balancer is None:
-            return 0, None
-        known = [r for r in balancer.relative_paces() if r is not None]
-        return len(balancer.flagged()), (min(known) if known else None)
+    def summary(self) -> dict[str, Any] | None:
+        """What this member's heartbeat tells the coordinator (read from the heartbeat thread):
+        its pace as a fraction of the median member's (the median of its last ``window``
+        measurements: one slow step does not move it), whether it is flagged, and its seconds in
+        the last gradient exchange. None before its first measured step or when not measuring."""
+        return self._summary if self.settings.measures else None

@@ -246,6 +246,7 @@ class Step:
             if self._stale:
                 raise GenerationFailed(f"step {self.index} not sent: {self._stale}")
             sums = list(job._reducer.finish(lambda: job._chaos.point("allreduce", self.index)))
+            job._pacing.exchanged()
             self._sync_buffers()
         except GenerationFailed as exc:
             error = exc

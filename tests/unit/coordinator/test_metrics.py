@@ -40,6 +40,28 @@ def test_the_gauges_are_read_from_the_state_when_rendered():
     assert samples(metrics.render(state))[("unbroken_job_finished", ())] == 1
 
 
+def test_paces_from_heartbeats_become_per_member_gauges_for_the_current_generation_only():
+    state = Membership(MembershipSettings(expected_members=3))
+    metrics = CoordinatorMetrics()
+    for i, m in enumerate("abc"):
+        state.join(m, "n", pid=i, step=0, now=0.0)
+    assert state.maybe_form(0.0)[0] is not None
+    state.heartbeat("a", 3, now=0.1, pace={"pace": 1.0, "straggler": False, "exchange_seconds": 0.09})
+    state.heartbeat("b", 3, now=0.1, pace={"pace": 0.5, "straggler": True, "exchange_seconds": 0.001})
+    state.heartbeat("c", 3, now=0.1, pace={"pace": "fast", "straggler": 1, "exchange_seconds": -2})  # ignored
+    found = samples(metrics.render(state))
+    assert found[("unbroken_stragglers", ())] == 1
+    assert found[("unbroken_member_pace", (("member", "a"),))] == 1.0
+    assert found[("unbroken_member_pace", (("member", "b"),))] == 0.5
+    assert ("unbroken_member_pace", (("member", "c"),)) not in found
+    assert found[("unbroken_member_exchange_seconds", (("member", "a"),))] == 0.09
+    state.mark_dead("b", "killed by SIGKILL", now=0.2)
+    state.maybe_form(5.0)
+    later = samples(metrics.render(state))
+    assert ("unbroken_member_pace", (("member", "b"),)) not in later
+    assert later[("unbroken_stragglers", ())] == 0
+
+
 def test_failures_are_counted_by_how_they_were_detected_and_stalls_observed():
     metrics = CoordinatorMetrics()
     metrics.failure("launcher")

@@ -291,3 +291,42 @@ def test_the_report_command_parses_its_options():
     assert (args.command, args.run_dirs, args.json, args.png, args.no_png) == ("report", ["a", "b"], True, "x.png", False)
     args = build_parser().parse_args(["report", "a", "--no-png"])
     assert (args.run_dirs, args.json, args.png, args.no_png) == (["a"], False, None, True)
+
+
+def straggler_log() -> Events:
+    """Three members; b is flagged at step 12, given fewer micro-batches, later evicted."""
+    e = Events()
+    e.add(T0, "generation", generation=1, members=list("abc"), reason="3 member(s) ready")
+    e.steps(0, 10, T0 + 0.1, generation=1, members=3)
+    e.add(T0 + 0.5, "straggler", "worker:a", step=12, member="b", pace=0.48, window=5)
+    e.add(T0 + 0.6, "rebalanced", "worker:a", step=14, shares=[6, 2, 6], members=list("abc"), paces=[1.0, 0.49, 1.0])
+    e.add(T0 + 0.7, "straggler", "worker:a", step=15, member="b", pace=0.47, window=5)  # a later generation's
+    e.add(T0 + 0.9, "evicted", "worker:b", step=30, member="b")
+    return e
+
+
+def test_the_report_lists_each_straggler_once_with_its_share_after_rebalancing_and_eviction(tmp_path, capsys):
+    straggler_log().write(tmp_path)
+    assert figures_of(tmp_path)["stragglers"] == [{"member": "b", "step": 12, "pace": 0.48, "share": 2, "evicted": True}]
+    assert main(["report", str(tmp_path), "--no-png"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "48%" in line)
+    assert "stragglers" in out and all(cell in row for cell in ("b", "12", "2", "yes"))
+
+
+def test_the_timeline_marks_stragglers_evictions_and_rebalancing():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    from unbroken.observe.timeline import _draw_marks
+
+    events = straggler_log().records
+    axes = tuple(Figure().subplots(3, 1))
+    _draw_marks(axes, events, {"incidents": []}, T0)
+    members_labels = axes[0].get_legend_handles_labels()[1]
+    assert {"straggler", "evicted"} <= set(members_labels)
+    assert "rebalanced" in axes[1].get_legend_handles_labels()[1]
+    straggler_line = next(h for h, label in zip(*axes[0].get_legend_handles_labels()) if label == "straggler")
+    assert list(straggler_line.get_xdata()) == pytest.approx([0.5, 0.7])
