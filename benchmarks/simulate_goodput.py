@@ -12,25 +12,27 @@ classified in ``LLAMA3_CAUSES``). Every strategy sees the same failures. Three s
 
 - ``unbroken``: survivors detect, re-form without the failed replica, redo the interrupted step and
   go on with one replica fewer until its replacement joins; then they re-form again and wait while
-  it is healed from a live peer at link speed.
+  it is healed from a live peer at link speed. A replica group is one member of the coordinator
+  (``--group-size``), so re-formations are costed at one member per replica, and only the
+  communicators across replicas are set up again (each replica's own mesh stays).
 - ``restart``: restart-the-world with checkpoints (torchrun-like): detect (a hang only at the
   collective timeout), restart every process, reload the last checkpoint and redo everything since.
 - ``torchft``: torchft-like replica loss: the survivors wait for the lighthouse's heartbeat
   timeout, drop the interrupted step and go on with one replica fewer; the replacement heals from a
   peer without stopping the others.
 
-All three take the same asynchronous checkpoint (a copy to host memory) every interval, by default
-the Young/Daly interval ``sqrt(2 x stall x MTBF)`` for the job's MTBF at that size. Goodput is
+All three take the same asynchronous checkpoint (a copy to host memory). ``restart`` and
+``torchft`` take it every Young/Daly interval ``sqrt(2 x stall x MTBF)`` for the job's MTBF at that
+size (neither tells failures apart). ``unbroken`` takes it as ``--checkpoint-every auto`` does:
+Young/Daly over the failures that live peers cannot heal (the loss of every replica at once,
+which this simulation does not draw), estimated ``(prior + seconds trained) / (losses + 1)``, so
+its interval grows with the run up to the cap (``unbroken.storage.checkpoint_schedule``). Goodput is
 useful training time (at full capacity) over wall time. Every input is in :class:`Inputs`, marked
 measured here (with its command) or assumed; the table is printed with the results.
 
-unbroken has no replica groups of several GPUs yet (DESIGN.md, "Scale": the target); here a
-replica group is the unit lost and healed, while the coordinator's re-formation is costed at one
-member per GPU, as unbroken runs today.
-
 Not modelled: healthy-step overheads (a few ms a step, measured here); planned maintenance;
 correlated failures (a switch taking several nodes at once); the loss of every replica at once
-(what unbroken's durable checkpoint is for); stragglers; scheduling queues and job start-up
+(what unbroken's durable checkpoint is for, and what its interval would count); stragglers; scheduling queues and job start-up
 beyond the figures given. A failure during a stall is handled after it ends; the step in progress
 is lost for a uniform fraction in (0, 1) of a step. The restart baseline gets a spare node at once
 and its restart as measured here on 3 CPU processes: real restarts of thousands of GPUs take
@@ -106,7 +108,11 @@ class Inputs:
     storage_bytes_per_s: float = _in(2e12, "B/s", "assumed", "the Llama 3 paper's storage, 2 TB/s sustained; "
                                      "a checkpoint read once, then broadcast")
     checkpoint_interval_s: float | None = _in(None, "s", "assumed", "Young/Daly sqrt(2 x stall x MTBF) at each "
-                                              "size, as `--checkpoint-every auto`")
+                                              "size (restart, torchft)")
+    checkpoint_prior_s: float = _in(3600.0, "s", "assumed", "unbroken's `auto`: the prior MTBF of losses of every live "
+                                    "copy (`UNBROKEN_CHECKPOINT_MTBF`'s default)")
+    checkpoint_max_interval_s: float = _in(1800.0, "s", "assumed", "unbroken's `auto`: the cap on its interval "
+                                           "(`UNBROKEN_CHECKPOINT_MAX_INTERVAL`'s default)")
     pg_setup_s_per_1k_gpus: float = _in(0.5, "s", "assumed", "NCCL communicator set-up per 1,000 GPUs, "
                                         "paid by every strategy each time a group forms")
     replacement_s: float = _in(300.0, "s", "assumed", "a standby node taken, its processes started, CUDA ready")
@@ -115,10 +121,10 @@ class Inputs:
     unbroken_hang_s: float = _in(3.0, "s", "measured here", "the default heartbeat timeout: a hang stalled 1.83 s "
                                  "at `--heartbeat-timeout 2` (`python benchmarks/bench_failures.py`)")
     unbroken_reform_s: tuple = _in(
-        ((1000, 0.34), (4000, 1.77), (8000, 2.88)), "(members, s)", "measured here",
+        ((128, 0.02), (256, 0.02), (1000, 0.34), (4000, 1.77), (8000, 2.88)), "(members, s)", "measured here",
         "a member killed -> every survivor re-formed, heartbeat interval 2 s, 2 shared cores (`python "
-        "benchmarks/bench_coordinator.py --members 1000 4000`, then `--members 8000`; docs/guide/scale.md); "
-        "linear between, extrapolated beyond 8,000")
+        "benchmarks/bench_coordinator.py --members 128 256`, `--members 1000 4000`, then `--members 8000`; "
+        "docs/guide/scale.md); linear between, extrapolated beyond 8,000; a replica group is one member")
     unbroken_rejoin_s: float = _in(3.92, "s", "measured here", f"restarted process -> its first commit ({COMPARE})")
     restart_crash_s: float = _in(6.41, "s", "measured here", "torchrun elastic, SIGKILL -> survivors commit again "
                                  f"({COMPARE})")
@@ -146,6 +152,14 @@ def checkpoint_interval_s(inp: Inputs, gpus: int) -> float:
     if inp.checkpoint_interval_s is not None:
         return max(inp.step_s, inp.checkpoint_interval_s)
     return math.inf if rate == 0 else max(inp.step_s, math.sqrt(2 * checkpoint_stall_s(inp) / rate))
+
+
+def unbroken_interval_s(inp: Inputs, trained_s: float) -> float:
+    """unbroken's ``auto`` interval after ``trained_s`` seconds without a loss of every live copy."""
+    from unbroken.storage.checkpoint_schedule import young_daly_interval
+
+    ideal = young_daly_interval(checkpoint_stall_s(inp), inp.checkpoint_prior_s + trained_s)
+    return max(inp.step_s, min(inp.checkpoint_max_interval_s, ideal))
 
 
 def heal_s(inp: Inputs) -> float:
@@ -195,29 +209,40 @@ def _advance(t: float, end: float, since: float, interval: float, stall: float) 
     return end, trained + rem - stall, rem - stall, int(cycles) + 1
 
 
+_RETAKE_S = 3600.0
+
+
 def simulate(strategy: str, inp: Inputs, gpus: int, failures: list, horizon_s: float) -> dict:
     """One run of ``strategy`` through ``failures``: useful and wall seconds, checkpoints taken."""
     replicas = max(1, gpus // inp.gpus_per_replica)
     interval, stall = checkpoint_interval_s(inp, gpus), checkpoint_stall_s(inp)
-    if math.isinf(interval):
+    grows = strategy == "unbroken" and inp.checkpoint_interval_s is None  # `auto`: not from the failure rate
+    if math.isinf(interval) and not grows:
         stall = 0.0
-    pg, heal = pg_setup_s(inp, gpus), heal_s(inp)
+    # restart sets up every GPU's communicators again; unbroken and torchft only those across replicas
+    pg = pg_setup_s(inp, gpus) if strategy == "restart" else pg_setup_s(inp, replicas)
+    heal, reform = heal_s(inp), reform_s(inp, replicas)
     t = useful = since = 0.0
     checkpoints, out, i = 0, [], 0  # out: a heap of the times replicas come back
     while True:
         next_failure = failures[i][0] if i < len(failures) else math.inf
         next_return = out[0] if out else math.inf
-        end = min(next_failure, next_return, horizon_s)
+        # unbroken's interval is taken again at least every simulated hour (and at every event)
+        end = min(next_failure, next_return, horizon_s, t + _RETAKE_S if grows else math.inf)
         if end > t:
             capacity = max(0, replicas - len(out)) / replicas
+            if grows:  # no loss of every replica is drawn: its interval grows with the run
+                interval = unbroken_interval_s(inp, t)
             t, trained, since, n = _advance(t, end, since, interval, stall)
             useful += capacity * trained
             checkpoints += n
         if end == horizon_s and end < min(next_failure, next_return):
             break
+        if end < min(next_failure, next_return, horizon_s):
+            continue  # only the interval is taken again
         if next_return <= next_failure:  # a replacement joins
             heapq.heappop(out)
-            t += reform_s(inp, gpus) + pg + heal if strategy == "unbroken" else pg
+            t += reform + pg + heal if strategy == "unbroken" else pg
             continue
         _, hang, in_place, frac = failures[i]
         i += 1
@@ -229,7 +254,7 @@ def simulate(strategy: str, inp: Inputs, gpus: int, failures: list, horizon_s: f
             continue
         useful -= capacity * frac * inp.step_s  # the interrupted step
         if strategy == "unbroken":
-            t += (inp.unbroken_hang_s if hang else inp.unbroken_crash_s) + reform_s(inp, gpus) + pg
+            t += (inp.unbroken_hang_s if hang else inp.unbroken_crash_s) + reform + pg
             back = inp.unbroken_rejoin_s if in_place else inp.replacement_s
         else:
             t += (inp.torchft_hang_s if hang else inp.torchft_crash_s) + pg
@@ -260,7 +285,8 @@ def run(inp: Inputs, gpus_list: list[int], days: float, trials: int, seed: int) 
             row["strategies"][s] = {
                 "goodput": sum(goodputs) / trials, "goodput_min": min(goodputs), "goodput_max": max(goodputs),
                 "lost_s_per_failure": lost / failures if failures else None,
-                "checkpoint_overhead": 0.0 if math.isinf(interval) else checkpoint_stall_s(inp) / (interval + checkpoint_stall_s(inp))}
+                "checkpoints_per_trial": sum(r["checkpoints"] for r in rs) / trials,
+                "checkpoint_overhead": sum(r["checkpoints"] * r["stall_s"] for r in rs) / sum(r["wall_s"] for r in rs)}
         results.append(row)
     return {"seed": seed, "days": days, "trials": trials, "inputs": inputs_table(inp), "derived": derived(inp),
             "results": results}
@@ -288,9 +314,10 @@ def _fmt(value) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| GPUs | replicas | MTBF | failures | checkpoint every | "
-             + " | ".join(f"{s} goodput (min-max)" for s in STRATEGIES) + " | lost per failure: " + " / ".join(STRATEGIES) + " |",
-             "|" + " --- |" * (6 + len(STRATEGIES))]
+    lines = ["| GPUs | replicas | MTBF | failures | checkpoint every (restart, torchft) | "
+             + " | ".join(f"{s} goodput (min-max)" for s in STRATEGIES) + " | lost per failure: " + " / ".join(STRATEGIES)
+             + " | checkpoint stalls: " + " / ".join(STRATEGIES) + " |",
+             "|" + " --- |" * (7 + len(STRATEGIES))]
     for row in report["results"]:
         cells = [f"{row['gpus']:,}", str(row["replicas"]),
                  "-" if row["mtbf_h"] is None else f"{row['mtbf_h']:.1f} h", f"{row['failures_per_trial']:.1f}",
@@ -298,6 +325,7 @@ def markdown(report: dict) -> str:
         rs = [row["strategies"][s] for s in STRATEGIES]
         cells += [f"{100 * r['goodput']:.2f} % ({100 * r['goodput_min']:.2f}-{100 * r['goodput_max']:.2f})" for r in rs]
         cells.append(" / ".join("-" if r["lost_s_per_failure"] is None else f"{r['lost_s_per_failure']:.1f} s" for r in rs))
+        cells.append(" / ".join(f"{100 * r['checkpoint_overhead']:.2f} %" for r in rs))
         lines.append("| " + " | ".join(cells) + " |")
     d = report["derived"]
     lines += ["", f"Derived: checkpoint stall {d['checkpoint_stall_s']:.2f} s, heal {d['heal_s']:.2f} s, "

@@ -67,3 +67,35 @@ def test_a_kill_during_a_save_leaves_no_visible_partial_checkpoint_and_resume_us
     assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"resumed from step 5 of {ckpt}/step-00000005" in run.stdout
     harness.check_same_model(f"{second}/final", reference["single"], 4)
+
+
+def test_auto_counts_a_loss_of_every_live_copy_but_not_a_failure_peers_healed(tmp_path, reference):
+    """``--checkpoint-every auto``: a member killed and healed by its peers leaves the estimated
+    MTBF alone (no checkpoint was needed for it); the whole job killed and resumed from a
+    checkpoint counts one loss, which the resumed job knows from the checkpoint."""
+    ckpt, first, second = str(tmp_path / "ckpt"), str(tmp_path / "first"), str(tmp_path / "second")
+    env = {"UNBROKEN_CHECKPOINT_MTBF": "10"}  # intervals of about a second here, so that the run saves often
+    args = ["--nproc-per-node", "3", "--record-samples", "--checkpoint-dir", ckpt, "--checkpoint-every", "auto"]
+
+    def healed_then_saved(run):
+        fault = run.events("fault")
+        return fault and [e for e in run.events("checkpoint") if e["t"] > fault[0]["t"] + 1.0 and e["step"] >= 8]
+
+    proc = harness.start(["run", "--run-dir", first, *args, "--chaos", "kill@step,rank=1,step=3",
+                          harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.2"], env=env)
+    try:
+        harness.wait_for(lambda: healed_then_saved(harness.Run(0, "", "", first)), 120, "a save after the healed kill")
+    finally:
+        harness.stop([proc], [first])
+    harness.wait_for(lambda: not harness.alive_workers(first), 30, "every worker of the killed job to be gone")
+    intervals = harness.Run(0, "", "", first).events("checkpoint_interval")
+    assert intervals and all(e["losses"] == 0 and e["mtbf"] >= 10 for e in intervals), intervals
+
+    run = harness.unbroken(second, *args, harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.05",
+                           "--out", f"{second}/final", env=env)
+    assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    resumed = run.events("checkpoint_interval")
+    assert resumed and resumed[0]["losses"] == 1, resumed
+    assert "1 in " in run.stdout, run.stdout[-2000:]  # the interval's line names the loss
+    harness.check_exactly_once([first, second], STEPS, GLOBAL)
+    harness.check_same_model(f"{second}/final", reference["single"], 3)

@@ -386,18 +386,6 @@ class CoordinatorApi:
                 "live": self.state.live_count(),
                 "quarantined": self._quarantine_left(),
                 **({"coordinators": self._coordinators} if self._coordinators else {}),
-                "members": [
-                    {
-                        "member": m.id,
-                        "node": m.node,
-                        "state": m.state.value,
-                        "step": m.step,
-                        "heartbeat_age": round(now - m.last_heartbeat, 3),
-                        "pace": m.pace,
-                        "straggler": m.straggler,
-                        "reason": m.death_reason,
-                    }
-                    for m in self.state.members.values()
-                ],
+                "members": [m.status(now) for m in self.state.members.values()],
             }
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 
 _LIVE = frozenset(("waiting", "active"))
@@ -64,6 +65,12 @@ class Member:
     death_reason: str | None = None
     ended_at: float | None = None
     """When (coordinator clock) it died or left: it is forgotten ``forget_after`` seconds later."""
+
+    def status(self, now: float) -> dict[str, Any]:
+        """Its row in ``GET /v1/status`` (``unbroken status``)."""
+        return {"member": self.id, "node": self.node, "state": self.state.value, "step": self.step,
+                "heartbeat_age": round(now - self.last_heartbeat, 3), "pace": self.pace, "straggler": self.straggler,
+                "reason": self.death_reason}
 
 
 @dataclass(frozen=True)

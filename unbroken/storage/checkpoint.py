@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import threading
@@ -39,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.storage.checkpoint_schedule import DEFAULT_MAX_INTERVAL, Schedule, young_daly_interval  # noqa: F401  (re-exported)
 from unbroken.storage.safe_unpickle import plain_data_globals
 from unbroken.storage.state_copy import MemoryFile, PinnedPool, _has_gpu_tensor, _tensor_bytes, copies_done, snapshot  # noqa: F401  (re-exported)
 
@@ -64,8 +64,11 @@ class CheckpointSettings:
     keep: int = 3
     """Complete checkpoints to keep (``UNBROKEN_CHECKPOINT_KEEP``)."""
     mtbf: float = 3600.0
-    """Mean time between failures assumed by ``auto`` before this run has seen one, in seconds
-    (``UNBROKEN_CHECKPOINT_MTBF``)."""
+    """The mean time, in seconds, between losses of every live copy of the state that ``auto``
+    assumes before the job has run for long (``UNBROKEN_CHECKPOINT_MTBF``; :class:`Schedule`)."""
+    max_interval: float = DEFAULT_MAX_INTERVAL
+    """The longest ``auto`` interval in seconds: at most this much training is redone after a loss
+    nobody could foresee (``UNBROKEN_CHECKPOINT_MAX_INTERVAL``)."""
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every != "auto":
@@ -77,6 +80,8 @@ class CheckpointSettings:
             raise ConfigError(f"checkpoint keep must be at least 1, got {self.keep}")
         if self.mtbf <= 0:
             raise ConfigError("checkpoint mtbf must be positive")
+        if not self.max_interval > 0:
+            raise ConfigError(f"checkpoint max interval must be a positive number of seconds, got {self.max_interval!r}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "CheckpointSettings":
@@ -90,14 +95,10 @@ class CheckpointSettings:
         try:
             keep = int(env.get("UNBROKEN_CHECKPOINT_KEEP", "3"))
             mtbf = float(env.get("UNBROKEN_CHECKPOINT_MTBF", "3600"))
+            max_interval = float(env.get("UNBROKEN_CHECKPOINT_MAX_INTERVAL", str(DEFAULT_MAX_INTERVAL)))
         except ValueError as exc:
-            raise ConfigError(f"bad UNBROKEN_CHECKPOINT_KEEP or UNBROKEN_CHECKPOINT_MTBF: {exc}") from None
-        return cls(env.get("UNBROKEN_CHECKPOINT_DIR") or None, every, keep, mtbf)
-
-
-def young_daly_interval(save_cost: float, mtbf: float) -> float:
-    """Seconds between checkpoints that minimise expected lost time: sqrt(2 * C * MTBF)."""
-    return math.sqrt(2.0 * max(save_cost, 1e-6) * mtbf)
+            raise ConfigError(f"bad UNBROKEN_CHECKPOINT_KEEP, UNBROKEN_CHECKPOINT_MTBF or UNBROKEN_CHECKPOINT_MAX_INTERVAL: {exc}") from None
+        return cls(env.get("UNBROKEN_CHECKPOINT_DIR") or None, every, keep, mtbf, max_interval)
 
 
 def _versions() -> dict[str, str]:
@@ -388,52 +389,3 @@ class Saver:
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-
-class Schedule:
-    """When to save: every ``every`` steps, or (``auto``) every Young/Daly interval computed from
-    the measured cost of a save to training (its stall plus the slowdown of the steps that ran
-    while it was written) and the mean time between failures seen in this run (the configured
-    ``mtbf`` until a failure has been seen)."""
-
-    def __init__(self, every: int | str, mtbf: float, now: float) -> None:
-        self.every = every
-        self.default_mtbf = mtbf
-        self.started = now
-        self.failures = 0
-        self.last_save: float | None = None
-        self.interval: float | None = None
-
-    def mtbf(self, now: float) -> float:
-        return (now - self.started) / self.failures if self.failures else self.default_mtbf
-
-    def due(self, next_step: int, now: float) -> bool:
-        if self.every != "auto":
-            return next_step % int(self.every) == 0
-        if self.last_save is None:
-            return True  # the first save measures what a save costs
-        return self.interval is not None and now - self.last_save >= self.interval
-
-    def began(self, now: float) -> None:
-        """A save began now."""
-        self.last_save = now
-
-    def cost(self, seconds: float, now: float) -> str | None:
-        """Record what the last save cost training; returns a message when the auto interval
-        changed noticeably."""
-        if self.every != "auto":
-            return None
-        interval = young_daly_interval(seconds, self.mtbf(now))
-        changed = self.interval is None or abs(interval - self.interval) > 0.1 * self.interval
-        if changed:
-            self.interval = interval
-            return f"checkpoint interval {interval:.1f} s (Young/Daly: a save costs {seconds * 1000:.0f} ms, MTBF {self.mtbf(now):.0f} s)"
-        return None
-
-    def saved(self, cost: float, now: float) -> str | None:
-        """A save that began ``now`` and cost ``cost`` seconds (both at once, for simple callers)."""
-        self.began(now)
-        return self.cost(cost, now)
-
-    def failure(self) -> None:
-        self.failures += 1

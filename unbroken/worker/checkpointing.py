@@ -55,7 +55,7 @@ class Checkpointing:
         else:
             self.saver = Saver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s))
         if job.checkpoint.every is not None:
-            self.schedule = Schedule(job.checkpoint.every, job.checkpoint.mtbf, time.monotonic())
+            self.schedule = Schedule(job.checkpoint.every, job.checkpoint.mtbf, time.monotonic(), job.checkpoint.max_interval)
         if resume:
             self.resume()
         else:
@@ -74,12 +74,28 @@ class Checkpointing:
             return
         state, manifest, location = found
         job._load(state)
+        self._resumed(manifest)
         job.fresh = False
         # New generations are numbered above the one that wrote it (it may come from an earlier
         # coordinator), so that lineages never reuse a number.
         job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
         print(f"unbroken: resumed from step {job.next_step} of {location}", flush=True)
         job._events.emit("resume", step=job.next_step, location=location)
+
+    def _resumed(self, manifest: dict[str, Any]) -> None:
+        """The job resumed from a checkpoint: unless it was the job's final one, every live copy of
+        the state had been lost, the failure that ``auto``'s interval counts (:class:`Schedule`)."""
+        if self.schedule is not None:
+            self.schedule.adopt(manifest.get("runtime", {}).get("checkpoints"), time.monotonic(), lost=not manifest.get("final"))
+
+    def record(self) -> dict[str, float] | None:
+        """What the schedule knows of the job's history, to travel with the state (heals, checkpoints)."""
+        return self.schedule.record(time.monotonic()) if self.schedule is not None else None
+
+    def adopt(self, record: Any) -> None:
+        """Take the job's history from a state this process loaded."""
+        if self.schedule is not None:
+            self.schedule.adopt(record, time.monotonic())
 
     def maybe_save(self) -> None:
         """After a commit: save if the schedule says so (rank 0 only)."""
@@ -113,19 +129,21 @@ class Checkpointing:
             if message:
                 log.info("%s", message)
                 print(f"unbroken: {message}", flush=True)
-                self.job._events.emit("checkpoint_interval", seconds=self.schedule.interval, cost=self._save_cost)
+                self.job._events.emit("checkpoint_interval", seconds=self.schedule.interval, cost=self._save_cost,
+                                      mtbf=round(self.schedule.mtbf(now), 3), losses=self.schedule.losses)
             return  # the step that saw the write finish is not a healthy sample
         self._step_ema = seconds if self._step_ema is None else 0.9 * self._step_ema + 0.1 * seconds
 
-    def save(self, skip: bool = False) -> None:
+    def save(self, skip: bool = False, final: bool = False) -> None:
         """Snapshot the state and write it in the background; skipped (never waited for) while
         the previous write is still running, so that a slow store never holds up a collective.
         A replica group's processes each write their shards (:class:`ShardedSaver`)."""
         job = self.job
         group = job._joiner.group
-        meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id]}
+        meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id], "final": final,
+                "runtime": {"next_step": job.next_step, "lineage": list(job.lineage), "checkpoints": self.record()}}
         if job._group is not None:
-            meta.update(runtime={"next_step": job.next_step, "lineage": list(job.lineage)}, plan=self._plan())
+            meta.update(plan=self._plan())
         with job._joiner.busy("checkpoint snapshot"):
             state = self._sharded_state() if job._group is not None else job._state()
             stall = None if skip else self.saver.save(job.next_step, state, meta)
@@ -174,6 +192,7 @@ class Checkpointing:
             part.load_state_dict(state[name])
         runtime = manifest["runtime"]
         job.next_step, job.lineage = int(runtime["next_step"]), list(runtime["lineage"])
+        self._resumed(manifest)
         job._digest = healing.lineage_digest(job.lineage)
         job.fresh = False
         job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
@@ -188,7 +207,7 @@ class Checkpointing:
             return
         self.saver.wait()
         if self.schedule is not None:
-            self.save()
+            self.save(final=True)
         self.saver.wait()
 
     def final_together(self) -> bool:
@@ -203,7 +222,7 @@ class Checkpointing:
             with job._joiner.busy("checkpoint write"):
                 self.saver.wait()
                 if self.schedule is not None and job.member_index == 0:
-                    self.save()
+                    self.save(final=True)
                     self.saver.wait()
             if self.schedule is not None:
                 if job.member_index == 0:
@@ -214,11 +233,6 @@ class Checkpointing:
             job._abandon(str(exc))
             return False
         return True
-
-    def failure(self) -> None:
-        """The generation failed: the schedule counts it (the automatic interval follows the run's MTBF)."""
-        if self.schedule is not None:
-            self.schedule.failure()
 
     def _done(self, info: dict[str, Any]) -> None:
         self.job._events.emit("checkpoint", **info)

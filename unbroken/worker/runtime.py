@@ -578,7 +578,7 @@ class Job:
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
-            "runtime": {"next_step": self.next_step, "lineage": list(self.lineage)},
+            "runtime": {"next_step": self.next_step, "lineage": list(self.lineage), "checkpoints": self._checkpointing.record()},
             "plan": {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len},
             "rng": healing.rng_state(self._device),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -604,6 +604,7 @@ class Job:
         self.next_step = state["runtime"]["next_step"]
         self.lineage = list(state["runtime"]["lineage"])
         self._digest = healing.lineage_digest(self.lineage)
+        self._checkpointing.adopt(state["runtime"].get("checkpoints"))  # absent from older states
         if self.scaler is not None and state.get("scaler"):  # absent from older states
             self.scaler.load_state_dict(state["scaler"])
         healing.set_rng_state(state["rng"], self._device)
@@ -644,7 +645,6 @@ class Job:
         # the new ones are allocated after the old ones were let go, so that bucket memory is not
         # doubled at the worst moment (Gloo's pending work still holds the old ones until the
         # graveyard releases it: docs/guide/gpus.md gives that peak).
-        self._checkpointing.failure()
         self._joiner.abandon(reason)
         if self._reducer is not None:
             self._reducer.renew_buffers()

@@ -130,11 +130,41 @@ def test_young_daly_grows_with_the_save_cost_and_the_time_between_failures():
     assert young_daly_interval(2.0, 3600) > young_daly_interval(0.5, 3600)
     schedule = Schedule("auto", mtbf=3600.0, now=0.0)
     assert schedule.due(1, 0.0)  # the first save measures the cost
-    message = schedule.saved(0.5, 1.0)
+    message = schedule.saved(0.5, 0.0)
     assert "60.0 s" in message
-    assert not schedule.due(2, 30.0) and schedule.due(3, 61.5)
-    schedule.failure()
-    assert "MTBF 100 s" in schedule.saved(0.5, 100.0)  # one failure in 100 s of run
+    assert not schedule.due(2, 30.0) and schedule.due(3, 60.5)
+
+
+def test_auto_counts_only_losses_of_every_live_copy_and_its_estimate_grows_while_none_happens():
+    schedule = Schedule("auto", mtbf=3600.0, now=0.0)
+    assert schedule.mtbf(0.0) == 3600.0
+    assert schedule.mtbf(3600.0) == 7200.0  # an hour without a loss: the prior counts as one observation
+    schedule.saved(0.5, 3600.0)
+    assert schedule.interval == pytest.approx(young_daly_interval(0.5, 7200.0))
+    # a job resumed from a checkpoint that was not its final one: every live copy had been lost
+    resumed = Schedule("auto", mtbf=3600.0, now=100.0)
+    resumed.adopt({"losses": 2, "seconds": 8000.0}, now=100.0, lost=True)
+    assert resumed.losses == 3 and resumed.mtbf(100.0) == pytest.approx((3600.0 + 8000.0) / 4)
+    assert "3 in 8000 s of training" in resumed.saved(0.5, 100.0)
+    # a member healed from a peer takes its history, never lowering its own; junk is ignored
+    healed = Schedule("auto", mtbf=3600.0, now=0.0)
+    healed.adopt(resumed.record(100.0), now=0.0)
+    assert (healed.losses, healed.seconds(0.0)) == (3, 8000.0)
+    healed.adopt({"losses": 1, "seconds": 10.0}, now=0.0)
+    healed.adopt({"losses": True, "seconds": "x"}, now=0.0)
+    healed.adopt(None, now=0.0)
+    assert (healed.losses, healed.seconds(0.0)) == (3, 8000.0)
+
+
+def test_the_auto_interval_is_capped_and_says_so():
+    schedule = Schedule("auto", mtbf=1e9, now=0.0, max_interval=600.0)
+    message = schedule.saved(2.0, 0.0)
+    assert schedule.interval == 600.0 and "capped at 600 s" in message
+    assert CheckpointSettings.from_env({"UNBROKEN_CHECKPOINT_MAX_INTERVAL": "90"}).max_interval == 90.0
+    with pytest.raises(ConfigError, match="max interval must be a positive"):
+        CheckpointSettings(max_interval=0)
+    with pytest.raises(ConfigError, match="UNBROKEN_CHECKPOINT_MAX_INTERVAL"):
+        CheckpointSettings.from_env({"UNBROKEN_CHECKPOINT_MAX_INTERVAL": "soon"})
 
 
 def test_a_fixed_interval_saves_every_n_steps():
