@@ -55,6 +55,7 @@ class Healer:
             log.info("%s: every member starts from the same state; no heal needed", job.member_id)
         elif plan.receivers:
             self._transfer(group, plan)
+        job._warm = None  # unused if no heal came (the whole job started afresh): let it go
         # Healing copied one member's RNG states to the others: give every member its own.
         seed_member(job.plan.seed, job.next_step, group.rank)
 
@@ -81,8 +82,11 @@ class Healer:
             for sender, receiver in pairs:
                 if receiver == group.rank:
                     gpu = job._device if job._device.type == "cuda" else None
-                    state, received = healing.recv_state(group, sender, job._tick, gpu)
+                    # a fresh member's warmed optimizer state holds nothing of value: the heal may land in it
+                    warm = job._warm if job.fresh else None
+                    state, received = healing.recv_state(group, sender, job._tick, gpu, into=warm)
                     job._load(state)
+                    job._warm = None  # now the optimizer's own state (or garbage, if it did not fit)
                     del state
                     job.fresh = False
                     received_from = sender

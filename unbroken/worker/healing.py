@@ -284,6 +284,33 @@ def join(skeleton: Skeleton, tensors: list[torch.Tensor]) -> Any:
     return _Joiner(io.BytesIO(skeleton.body), tensors).load()
 
 
+class _Mark:
+    """Stands for tensor ``index`` while :func:`tensor_places` walks a skeleton."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def tensor_places(skeleton: Skeleton) -> list[tuple[Any, ...] | None]:
+    """Where each tensor of ``skeleton`` sits in its state: the keys from the root (dict keys,
+    list and tuple indices), or None for one met only inside another kind of object. Pure."""
+    places: list[tuple[Any, ...] | None] = [None] * len(skeleton.specs)
+
+    def walk(node: Any, place: tuple[Any, ...]) -> None:
+        if isinstance(node, _Mark):
+            if places[node.index] is None:
+                places[node.index] = place
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, place + (key,))
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, place + (i,))
+
+    walk(_Joiner(io.BytesIO(skeleton.body), [_Mark(i) for i in range(len(skeleton.specs))]).load(), ())
+    return places
+
+
 def messages(specs: tuple[TensorSpec, ...]) -> list[tuple]:
     """The tensor messages that carry tensors of ``specs``, in order: ``("slice", index, start,
     count)`` for elements [start, start + count) of a large tensor, flattened, or ``("pack",
@@ -377,10 +404,16 @@ def send_state(
 
 
 def recv_state(
-    group: GenerationGroup, src: int, progress: Callable[[], None] = lambda: None, gpu: torch.device | None = None
+    group: GenerationGroup, src: int, progress: Callable[[], None] = lambda: None, gpu: torch.device | None = None,
+    into: dict[tuple[Any, ...], torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """Receive a state sent by :func:`send_state` from rank ``src``; returns (state, bytes
     received). ``progress`` is called after every message received.
+
+    ``into``: tensors of this member, by their place in the state (:func:`tensor_places`), that
+    may be overwritten: a large tensor received at that place with the same dtype, shape and
+    device lands in it instead of in new memory (:mod:`unbroken.worker.warm_state`). Only memory
+    that holds nothing of value belongs there: a cut transfer leaves it partly written.
 
     Nothing is loaded into the caller's objects: a transfer cut by a failure
     (:class:`GenerationFailed`) leaves the receiver as it was. Every tensor arrives as a plain,
@@ -408,10 +441,15 @@ def recv_state(
     del raw
     specs = skeleton.specs
     tensors: list[torch.Tensor | None] = [None] * len(specs)
+    places = tensor_places(skeleton) if into else [None] * len(specs)
     large = []  # allocated now (no memory is touched yet), in the order they arrive
     for message in plan_:
         if message[0] == "slice" and tensors[message[1]] is None:
             spec = specs[message[1]]
+            warm = _warm_destination(into, places[message[1]], spec, _place(spec, gpu))
+            if warm is not None:
+                tensors[message[1]] = warm
+                continue
             tensors[message[1]] = torch.empty(spec.shape, dtype=spec.dtype, device=_place(spec, gpu))
             if tensors[message[1]].device.type == "cpu":
                 large.append(tensors[message[1]])
@@ -429,6 +467,16 @@ def recv_state(
         if tensors[index] is None:  # empty tensors travel in the manifest only
             tensors[index] = torch.empty(spec.shape, dtype=spec.dtype, device=_place(spec, gpu))
     return join(skeleton, tensors), received
+
+
+def _warm_destination(into: dict[tuple[Any, ...], torch.Tensor] | None, place: tuple[Any, ...] | None,
+                      spec: TensorSpec, device: torch.device) -> torch.Tensor | None:
+    """The tensor of ``into`` at ``place``, if the one received there fits it exactly."""
+    tensor = into.get(place) if into and place is not None else None
+    if (tensor is None or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape
+            or tensor.device != device or not tensor.is_contiguous()):
+        return None
+    return tensor
 
 
 def _place(spec: TensorSpec, gpu: torch.device | None) -> torch.device:

@@ -248,6 +248,7 @@ class Joiner:
         taken = self._formed_without_joining()
         if taken is not None and self._form(self._relay(taken)):
             return True
+        self._warm_before_joining(group)
         while True:
             reply = self._ask_to_join()
             if reply["status"] == "finished":
@@ -263,6 +264,27 @@ class Joiner:
                 continue
             if self._form(self._relay(reply)):
                 return True
+
+    def _warm_before_joining(self, group: Any) -> None:
+        """A fresh process joining a running job: allocate and touch its optimizer state now, while
+        the others still train, so that its heal lands in warm memory (:mod:`unbroken.worker.warm_state`).
+        Not at the job's start (no heal comes), nor in a replica group (sharded state)."""
+        job = self.job
+        if not job.fresh or job._warm is not None or group is not None or self.heartbeat is None:
+            return
+        deadline = time.monotonic() + 1.0  # the heartbeat's first reply comes at once
+        while not self.heartbeat.view and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.heartbeat.view.get("generation", 0) <= 0 or self.heartbeat.view.get("finished"):
+            return
+        from unbroken.worker.warm_state import warm_optimizer
+
+        started = time.monotonic()
+        with self.busy("warming the optimizer state"):
+            job._warm = warm_optimizer(job.optimizer)
+        if job._warm:
+            log.info("%s: optimizer state warmed for the heal in %.2f s (%d tensors)", job.member_id,
+                     time.monotonic() - started, len(job._warm))
 
     def _relay(self, reply: dict[str, Any]) -> dict[str, Any]:
         """Process 0 of a replica group: pass a generation (or the job's end) on to the group."""

@@ -169,6 +169,8 @@ class Job:
 
         self.checkpoint = checkpoint or CheckpointSettings.from_env()
         self._checkpointing = Checkpointing(self)
+        self._warm: dict[Any, torch.Tensor] | None = None
+        """A fresh member's optimizer state, allocated before it joins, for its heal to land in."""
         self._healer = Healer(self)
         self._reducer = None
         self._grad_events = 0  # gradient accumulations seen by a single process's hooks

@@ -1,0 +1,71 @@
+"""Warm memory for a newcomer's heal: its optimizer state allocated and touched before it joins.
+
+A process that joins a running job holds its model's parameters (built and initialized, so
+touched) but no optimizer state yet: optimizers create it lazily, in their first step. Healing
+would then allocate the optimizer state (for Adam twice the parameters) as new memory while the
+bytes arrive, and on Linux the first touch of each new page costs about as much as the transfer
+(benchmarks/bench_heal.py). So before it asks to join, while the others still train without
+waiting for it, a newcomer runs its optimizer once over zero gradients with the learning rate
+and weight decay at zero: the optimizer allocates and writes its whole state, and the
+parameters do not change. The state tensors are then taken out of the optimizer (which is left
+as it was built, with no state) and kept, by their place in the optimizer's ``state_dict``, for
+the heal to receive into (:func:`unbroken.worker.healing.recv_state`'s ``into``); loading the
+healed state then puts those same tensors into the optimizer without a copy.
+
+Only for ``torch.optim.SGD``, ``Adam`` and ``AdamW``, where a zero learning rate and weight decay
+provably leave the parameters as they were; other optimizers are left alone (healed into new
+memory, as before). A member that never needs a heal (the job's start) does not warm up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+log = logging.getLogger("unbroken")
+
+WARMABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers whose step with a zero learning rate and weight decay changes no parameter."""
+
+Place = tuple[Any, ...]
+"""Where a tensor sits in a member's state: the keys from the state's root, e.g.
+``("optimizer", "state", 3, "exp_avg")``."""
+
+
+def warm_optimizer(optimizer: Any) -> dict[Place, torch.Tensor]:
+    """Allocate and touch ``optimizer``'s state, then take it out again (see the module's
+    docstring); returns the state tensors by place, or ``{}`` where that cannot be done safely.
+    The optimizer is left with no state and its own settings; the parameters are not changed."""
+    if type(optimizer) not in WARMABLE or any(optimizer.state.values()):
+        return {}
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return {}
+    saved = [(group, group["lr"], group.get("weight_decay", 0)) for group in optimizer.param_groups]
+    try:
+        for group, lr, _ in saved:
+            group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            optimizer.step()
+        places = {("optimizer", "state", index, key): value
+                  for index, state in optimizer.state_dict()["state"].items()
+                  for key, value in state.items() if isinstance(value, torch.Tensor)}
+    except Exception as exc:  # an optimizer configured in a way this does not foresee: heal as before
+        log.info("optimizer state not warmed before the heal: %s", exc)
+        places = {}
+    finally:
+        for group, lr, weight_decay in saved:
+            group["lr"] = lr
+            if "weight_decay" in group:
+                group["weight_decay"] = weight_decay
+        for p in params:
+            p.grad = None
+        optimizer.state = defaultdict(dict)
+    return places
