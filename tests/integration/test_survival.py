@@ -9,7 +9,7 @@ from tests.integration.conftest import GLOBAL, STEPS
 pytestmark = pytest.mark.slow
 
 
-def run_with_faults(tmp_path, chaos, delay="0.1", max_restarts="3"):
+def run_with_faults(tmp_path, chaos, delay="0.1", max_restarts="3", env=None):
     run_dir = str(tmp_path / "run")
     run = harness.unbroken(
         run_dir,
@@ -18,6 +18,7 @@ def run_with_faults(tmp_path, chaos, delay="0.1", max_restarts="3"):
         "--record-samples",
         "--chaos", chaos,
         harness.EXACT, "--steps", str(STEPS), "--step-delay", delay, "--out", f"{run_dir}/final",
+        env=env,
     )
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no worker left behind")
@@ -59,30 +60,42 @@ def test_a_killed_worker_is_restarted_and_healed_while_the_others_keep_running(t
         assert workers[rank]["restarts"] == 0 and [e["code"] for e in workers[rank]["exits"]] == [0]
     generations = run.events("generation")
     assert len(generations[1]["members"]) == 3  # the survivors went on without it
-    rejoined = [e for e in run.events("heal") if any(".w1.r1" in r for r in e["receivers"])]
-    assert rejoined and rejoined[0]["step"] > 10  # healed from a live peer, mid-run
+    # it caught up from a live peer while the others trained (unbroken.worker.catch_up): its state
+    # and the steps since, mid-run; then it joined at the others' step and no heal sent it anything
+    (caught,) = [e for e in run.events("catch_up") if e["member"].endswith(".w1.r1")]
+    assert caught["loaded"] and caught["replayed"] >= 1 and caught["error"] is None and caught["step"] > 10, caught
+    (donation,) = run.events("donation")
+    assert donation["to"] == caught["member"] and donation["step"] > 10
+    assert not [e for e in run.events("heal") if any(".w1.r1" in r for r in e["receivers"])]
+    joined = next(g for g in run.events("generation") if caught["member"] in g["members"])
+    assert all(s["step"] >= caught["step"] for s in run.events("step") if s["t"] > joined["t"])
     assert any(".w1.r1" in e["source"] for e in run.events("replicas"))
     harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     check_same_model_and_replicas(run, reference)
 
 
 @pytest.mark.parametrize(
-    "chaos, delay",
+    "chaos, delay, rejoin",
     [
-        ("kill@allreduce,rank=2,step=5", "0.1"),
-        ("kill@commit,rank=0,step=12", "0.1"),
+        ("kill@allreduce,rank=2,step=5", "0.1", "catch-up"),
+        ("kill@commit,rank=0,step=12", "0.1", "catch-up"),
         # the restarted worker must rejoin (a fresh import on a busy machine) for a heal to happen
-        ("kill@step,rank=3,step=3;kill@heal,step=4", "0.3"),
+        ("kill@step,rank=3,step=3;kill@heal,step=4", "0.3", "heal"),
+        # the donor dies while the restarted worker catches up from it: that one is healed instead
+        ("kill@step,rank=3,step=3;kill@donate,step=4", "0.3", "catch-up"),
     ],
-    ids=["inside-allreduce", "after-allreduce-before-optimizer", "inside-healing-transfer"],
+    ids=["inside-allreduce", "after-allreduce-before-optimizer", "inside-healing-transfer", "donor-killed-while-donating"],
 )
-def test_every_sample_is_applied_exactly_once_whatever_the_kill_point(tmp_path, reference, chaos, delay):
-    run = run_with_faults(tmp_path, chaos, delay=delay)
+def test_every_sample_is_applied_exactly_once_whatever_the_kill_point(tmp_path, reference, chaos, delay, rejoin):
+    run = run_with_faults(tmp_path, chaos, delay=delay, env={"UNBROKEN_REJOIN": rejoin})
     stats = harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     assert stats["redone_attempts"] >= 1 or "commit" in chaos
     kills = sum(1 for w in run.summary()["workers"] for e in w["exits"] if e["how"] == "killed by SIGKILL")
     assert kills == chaos.count("kill@")
     check_same_model_and_replicas(run, reference)
+    if "donate" in chaos:
+        broken = [e for e in run.events("catch_up") if e["error"]]
+        assert broken and run.events("heal"), (run.events("catch_up"), run.events("heal"))
 
 
 def test_two_kills_and_a_rejoin_end_with_the_same_model(tmp_path, reference):

@@ -106,7 +106,9 @@ class CoordinatorApi:
             and known is not None
             and known.state is MemberState.ACTIVE
         )
-        if not unheard and self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)), time.monotonic(), warm):
+        catch_up = body.get("catch_up") if isinstance(body.get("catch_up"), str) else None
+        if not unheard and self.state.join(member_id, str(body.get("node", "")), body.get("pid"), int(body.get("step", 0)),
+                                           time.monotonic(), warm, catch_up):
             self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
             self._bump()
         lean = bool(body.get("lean"))

@@ -55,6 +55,9 @@ class Member:
     warm: bool = True
     """False until the member has committed a step in its process: its first step may include
     compilation and lazy imports, judged against ``warmup_timeout`` instead."""
+    catch_up: str | None = None
+    """While it catches up from a donor instead of waiting to be healed (:mod:`unbroken.worker.catch_up`):
+    the address its donor streams to. It waits without making anyone re-form."""
     pace: float | None = None
     """Its pace as a fraction of the median member's, as the members measured it in-band (the median
     of a window of steps, :mod:`unbroken.data.balance`); None until reported."""

@@ -125,6 +125,10 @@ class Membership(Liveness):
         """A verdict broke the current generation and its survivors have not been taken yet."""
         self._taken: set[str] = set()
         """Survivors taken as waiting by :meth:`take_survivors`, until the next formation."""
+        self._catching: dict[str, str] = {}
+        """Waiting members that catch up instead of being healed -> their donor ("" if none)."""
+        self._donating: dict[str, str] = {}
+        """Donor -> the member it streams its state to (the inverse of :attr:`_catching`)."""
         for member in self.members.values():
             self._counts[member.state] += 1
             self._blocked_active += _counts_blocked(member)
@@ -199,7 +203,8 @@ class Membership(Liveness):
 
     # -- member requests ---------------------------------------------------------------------
 
-    def join(self, member_id: str, node: str, pid: int | None, step: int, now: float, warm: bool = True) -> bool:
+    def join(self, member_id: str, node: str, pid: int | None, step: int, now: float, warm: bool = True,
+             catch_up: str | None = None) -> bool:
         if self.first_wait is None:
             self.first_wait = now
         self._max_step = max(self._max_step, step)
@@ -207,12 +212,13 @@ class Membership(Liveness):
         if member is None:
             self._add(Member(member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step, waiting_since=now, warm=warm))
             self._note_wait(now, member_id, "waiting")
+            self._catch_up(self.members[member_id], catch_up)
             return True
         member.warm = warm
         self._taken.discard(member_id)
         if member.state is MemberState.WAITING:
             member.last_heartbeat = now
-            return False
+            return self._catch_up(member, catch_up)
         member.fenced = False
         member.waiting_since = now
         member.last_heartbeat = now
@@ -400,6 +406,12 @@ class Membership(Liveness):
             self._enter(member, MemberState.ACTIVE, now)
         self.preformed = frozenset(self._taken.intersection(decision.members))
         self._taken = set()
+        for member_id in list(self._catching):  # a formation ends every catch-up (streams end with it)
+            if member_id in self.members:
+                self._catch_up(self.members[member_id], None)
+            else:
+                self._catching.pop(member_id, None)
+        self._donating.clear()
         self._verdict_pending = False
         self.current = generation
         self.generation_state = GenerationState.ACTIVE
@@ -413,6 +425,36 @@ class Membership(Liveness):
 
     # -- views ---------------------------------------------------------------------------------
 
+    def _catch_up(self, member: Member, address: str | None) -> bool:
+        """Start or end ``member``'s catching up (``address``: where its donor streams to). A
+        donor is the highest-ranked active member of the current generation that donates to
+        nobody yet. Returns True if anything changed."""
+        if member.catch_up == address:
+            return False
+        donor = self._catching.pop(member.id, None)
+        if donor:
+            self._donating.pop(donor, None)
+            self.changed_members.add(donor)
+        member.catch_up = address
+        if address is not None:
+            donor = ""
+            if self.current is not None:
+                for candidate in reversed(self.current.members):
+                    m = self.members.get(candidate)
+                    if m is not None and m.state is MemberState.ACTIVE and candidate not in self._donating:
+                        donor = candidate
+                        break
+            self._catching[member.id] = donor
+            if donor:
+                self._donating[donor] = member.id
+                self.changed_members.add(donor)
+        self.version += 1
+        return True
+
+    def catching_up(self) -> int:
+        """Waiting members that catch up: they make nobody re-form. O(members catching up)."""
+        return sum(1 for m in self._catching if (member := self.members.get(m)) is not None and member.state is MemberState.WAITING)
+
     def reconfigure_wanted(self) -> bool:
         """True when members of the current generation should come to join a new one. O(1)."""
         if self.generation_state is GenerationState.BROKEN:
@@ -422,7 +464,7 @@ class Membership(Liveness):
             and self.settings.max_members is not None
             and len(self.current.members) >= self.settings.max_members
         )
-        return not full and self._counts[MemberState.WAITING] > 0
+        return not full and self._counts[MemberState.WAITING] - (self.catching_up() if self._catching else 0) > 0
 
     def live_count(self) -> int:
         return self._counts[MemberState.WAITING] + self._counts[MemberState.ACTIVE]
@@ -458,9 +500,17 @@ class Membership(Liveness):
             "state": member.state.value if member else "unknown",
             "reason": member.death_reason if member else None,
             "fence": member.fenced if member else False,
+            **self._donation_view(member_id),
             "finished": self.finished,
             "failed": self.failed,
         }
+
+    def _donation_view(self, member_id: str) -> dict[str, Any]:
+        """For a donor: ``donate``, the member to stream its state to and where. O(1)."""
+        newcomer = self._donating.get(member_id)
+        if newcomer is None or newcomer not in self.members:
+            return {}
+        return {"donate": {"member": newcomer, "address": self.members[newcomer].catch_up}}
 
 
 def _take_pace(member: Member, pace: dict[str, Any]) -> None:

@@ -16,7 +16,8 @@ a broken connection, without any process dying: the generation re-forms with the
 Points: ``step`` (start of a step), ``micro`` (each micro-batch the step hands the loop: with
 ``slow``, a member that computes slower, as a straggler does), ``allreduce`` (every gradient bucket of the step was sent, none
 waited for yet), ``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing
-source, after the transfer began), ``save`` (the checkpoint writer, after the data was written and
+source, after the transfer began), ``donate`` (a donor, after it began to stream its state to a
+newcomer that catches up), ``save`` (the checkpoint writer, after the data was written and
 before the manifest is published).
 Every fault writes a ``fault`` event (kind, point, step, pid, member and its options) to the run's
 event log as it fires.
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from unbroken.errors import ConfigError
 
 KINDS = ("kill", "hang", "spin", "slow", "fail")
-POINTS = ("step", "micro", "allreduce", "commit", "heal", "save")
+POINTS = ("step", "micro", "allreduce", "commit", "heal", "donate", "save")
 ENV = "UNBROKEN_CHAOS"
 _INT_KEYS = ("rank", "step", "restart", "seed")
 _SECONDS_KEYS = {"for": "duration", "at": "at", "sleep": "sleep", "by": "by"}

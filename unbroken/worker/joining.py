@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -99,6 +100,7 @@ class Joiner:
         ExitGuard.install(job)
 
     def _on_view(self, view: dict[str, Any]) -> None:
+        self.job._donor.wanted = view.get("donate")
         group = self._grouped()
         if group is not None and group.leader:
             group.relay.publish_view(view)
@@ -249,11 +251,16 @@ class Joiner:
         if taken is not None and self._form(self._relay(taken)):
             return True
         self._warm_before_joining(group)
+        catch = self._start_catch_up(group)
+        job_never_joined = catch is not None  # a newcomer that caught up but never trained in a generation
         while True:
-            reply = self._ask_to_join()
+            reply = self._ask_to_join(catch.address if catch is not None and catch.wanted() else None)
+            if catch is not None and reply["status"] in ("formed", "finished", "failed"):
+                catch.finish(self.job.settings.collective_timeout)  # the rest of the stream, before any heal
+                catch = None
             if reply["status"] == "finished":
                 self._relay(reply)
-                return self._finished_without_us()
+                return self._finished_without_us(never_joined=job_never_joined)
             self._refuse_on(reply)
             if reply["status"] != "formed":
                 if time.monotonic() > deadline:
@@ -334,7 +341,23 @@ class Joiner:
             "store_port": port,
         }
 
-    def _ask_to_join(self) -> dict[str, Any]:
+    def _start_catch_up(self, group: Any) -> Any:
+        """A fresh process joining a running job: open a port for a donor and catch up from it
+        while the others train (:mod:`unbroken.worker.catch_up`); None where that cannot be exact."""
+        from unbroken.worker.catch_up import CatchUp, eligible
+
+        job = self.job
+        if not job.fresh or group is not None or self.heartbeat is None or not eligible(job):
+            return None
+        if self.heartbeat.view.get("generation", 0) <= 0 or self.heartbeat.view.get("finished"):
+            return None
+        try:
+            return CatchUp(job, _local_address(job.settings.coordinator), job._warm)
+        except OSError as exc:
+            log.info("%s: cannot open a port to catch up (%s); healed as usual", job.member_id, exc)
+            return None
+
+    def _ask_to_join(self, catch_up: str | None = None) -> dict[str, Any]:
         job = self.job
         sent = time.monotonic()
         try:
@@ -348,6 +371,7 @@ class Joiner:
                 after=max(job.generation, job._generation_floor),
                 warm=bool(self.heartbeat.warm),
                 preflight=self.preflight(),
+                **({"catch_up": catch_up} if catch_up else {}),
                 lean=True,  # no member list in the reply: a Roster fetches ids if they are needed
             )
         except Unauthorized as exc:
@@ -357,9 +381,9 @@ class Joiner:
         self._join_answered = max(self._join_answered, sent)
         return reply
 
-    def _finished_without_us(self) -> bool:
+    def _finished_without_us(self, never_joined: bool = False) -> bool:
         job = self.job
-        if job.fresh or job.total is None or job.next_step < job.total:
+        if never_joined or job.fresh or job.total is None or job.next_step < job.total:
             # A member that is behind (restarted, late, or cut off until the end): the job
             # ended without it. End the process quietly rather than let the script go on
             # with a stale model as if it had trained.
@@ -522,6 +546,7 @@ class Joiner:
 
     def abandon(self, reason: str) -> None:
         """Leave a broken generation: report it, and park its group (work may be pending on it)."""
+        self.job._donor.end(with_digest=False)
         if self.group is not None:
             self.report_failure(self.group.number, reason)
             self.graveyard.park(self.group)
@@ -529,12 +554,14 @@ class Joiner:
 
     def close_group(self) -> None:
         """Leave a healthy generation at a step boundary (someone waits to join)."""
+        self.job._donor.end(with_digest=True)
         if self.group is not None:
             self.group.pg = None  # nothing is pending on it: safe to destroy
             self.group = None
 
     def leave(self, finished: bool) -> None:
         """Tell the coordinator that this member leaves, and stop heartbeating."""
+        self.job._donor.end(with_digest=False)
         if self.client is not None:
             try:
                 self.client.post("/v1/leave", member=self.job.member_id, finished=finished, step=self.job.next_step,
@@ -543,3 +570,11 @@ class Joiner:
                 log.warning("could not tell the coordinator that this member leaves: %s", exc)
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+def _local_address(coordinator: str) -> str:
+    """This host's address on the route to the coordinator (a donor reaches it there)."""
+    host, port = coordinator.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host.strip("[]"), int(port)))
+        return probe.getsockname()[0]

@@ -171,6 +171,9 @@ class Job:
         self._checkpointing = Checkpointing(self)
         self._warm: dict[Any, torch.Tensor] | None = None
         """A fresh member's optimizer state, allocated before it joins, for its heal to land in."""
+        from unbroken.worker.catch_up import Donor
+
+        self._donor = Donor(self)
         self._healer = Healer(self)
         self._reducer = None
         self._grad_events = 0  # gradient accumulations seen by a single process's hooks

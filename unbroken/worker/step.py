@@ -342,6 +342,8 @@ class Step:
                 self.failed, self.error = True, GenerationFailed(reason if reason.startswith("step ") else f"step {self.index} not committed: {reason}")
                 self._discard()
                 return False
+        if job._reducer is not None:
+            job._donor.before_step(self)  # a newcomer catching up from this member gets this step too
         job._committing = True  # the optimizer's step and zero_grad are this method's to call
         try:
             if job.scaler is None:

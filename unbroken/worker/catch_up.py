@@ -1,0 +1,303 @@
+"""Rejoining without stopping the others: a newcomer catches up from a donor while they train.
+
+A process that joins a running job used to be healed inside the next generation: every member
+waited at the step boundary while the state crossed the network. Instead, before it is counted
+as waiting (so nobody re-forms for it), a newcomer asks the coordinator for a donor and opens a
+port. The donor, a member of the running generation, at its next commit (before its optimizer's
+step) copies its state into host memory and streams it to the newcomer from a thread of its own,
+with the healing wire format (:mod:`unbroken.worker.healing`) over a TCP stream
+(:mod:`unbroken.worker.stream_link`); from then on it also keeps the reduced gradients (and
+buffers) of every step it commits and streams them after the state. The newcomer loads the state
+(into its warmed optimizer memory, :mod:`unbroken.worker.warm_state`) and replays each step: the
+same gradients through the same optimizer and scheduler give the same bits. Once it has replayed
+every step the donor had committed, it joins as usual; the others re-form at their next step
+boundary, the donor ends the stream with the digest of its parameters, the newcomer replays the
+last steps and checks that digest, and the heal then finds it at the others' step and lineage:
+nothing is sent, and the survivors paid only for the re-formation.
+
+It falls back to the heal whenever it cannot be exact or bounded: a job with a GradScaler or
+``extra_state`` (the loop changes them in ways a replay cannot see), a replica group, a donor
+that does not come within ``collective_timeout``, a donor more than ``MAX_RECORDS`` steps ahead
+of what the stream has carried, a stream that breaks (donor or newcomer dies), or a generation
+formed meanwhile for another reason. The newcomer then holds either nothing or a state of an
+earlier step of the same lineage, and the heal brings it up to date.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unbroken.errors import ReplicaDivergence
+from unbroken.worker import healing
+from unbroken.worker.stream_link import LinkBroken, StreamLink
+
+if TYPE_CHECKING:
+    from unbroken.worker.runtime import Job
+
+log = logging.getLogger("unbroken")
+
+MAX_RECORDS = int(os.environ.get("UNBROKEN_CATCH_UP_STEPS", "8"))
+"""Steps a donor may hold for its newcomer before it gives up (memory: a gradient copy each)."""
+TAG_RECORD, TAG_MASK, TAG_TENSOR = 101, 102, 103
+RECORD, END = 1, 2
+
+
+def eligible(job: "Job") -> bool:
+    """Whether a replay can be exact for this job (both sides check it; they run one script)."""
+    return (job._reducer is not None and job._group is None and job.scaler is None and job.extra_state is None
+            and os.environ.get("UNBROKEN_REJOIN", "catch-up") != "heal")
+
+
+def _params(job: "Job") -> list[torch.nn.Parameter]:
+    return [p for group in job.optimizer.param_groups for p in group["params"]]
+
+
+def params_digest(job: "Job") -> int:
+    """The digest of the model's parameters and buffers (:func:`healing.state_digest`)."""
+    return healing.state_digest({"model": job.model.state_dict()})
+
+
+# -- the donor ------------------------------------------------------------------------------------
+
+
+class Donation:
+    """A donor's stream to one newcomer: its state at one step, then every step it commits."""
+
+    def __init__(self, job: "Job", newcomer: str, address: str) -> None:
+        from unbroken.storage.state_copy import copies_done, snapshot
+
+        self.job, self.newcomer = job, newcomer
+        host, port = address.rsplit(":", 1)
+        self.link = StreamLink(socket.create_connection((host, int(port)), timeout=5.0))
+        self.link.sock.settimeout(None)
+        self.state = snapshot(job._state())
+        copies_done(self.state)
+        self.records: queue.Queue = queue.Queue()
+        self.failed: str | None = None
+        self.steps = 0
+        self._ending = threading.Event()
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._send, name="unbroken-donation", daemon=True)
+        self._thread.start()
+
+    def record(self, step: Any) -> None:
+        """Keep step ``step``'s gradients (reduced, about to be applied) and buffers for the newcomer."""
+        if self.failed:
+            return
+        if self.records.qsize() >= MAX_RECORDS:
+            self.fail(f"the newcomer is more than {MAX_RECORDS} steps behind")
+            return
+        grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in _params(self.job)]
+        buffers = [b.detach().to("cpu", copy=True) for b in self.job.model.buffers()]
+        self.records.put((step.index, step.generation, grads, buffers))
+        self.steps += 1
+
+    def fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            log.info("%s: the catch-up of %s stopped: %s", self.job.member_id, self.newcomer, reason)
+        self.link.close()
+
+    def end(self, digest: int | None, timeout: float) -> None:
+        """This member leaves its generation: send what is left, then the end with ``digest``."""
+        self.records.put(("end", digest))
+        self._ending.set()
+        if not self._ended.wait(timeout):
+            self.fail("the stream did not drain in time")
+
+    def _send(self) -> None:
+        try:
+            healing.send_state(self.link, self.state, 1)
+            self.state = None
+            while True:
+                item = self.records.get()
+                if item[0] == "end":
+                    digest = item[1]
+                    self.link.send(torch.tensor([END, self.job.next_step, -1 if digest is None else digest, 0]), tag=TAG_RECORD)
+                    break
+                index, generation, grads, buffers = item
+                self.link.send(torch.tensor([RECORD, index, generation, self.records.qsize()]), tag=TAG_RECORD)
+                self.link.send(torch.tensor([g is not None for g in grads], dtype=torch.uint8), tag=TAG_MASK)
+                for tensor in [g for g in grads if g is not None] + buffers:
+                    self.link.send(tensor, tag=TAG_TENSOR)
+        except (LinkBroken, OSError) as exc:
+            self.fail(str(exc))
+        finally:
+            self.link.close()
+            self._ended.set()
+
+
+class Donor:
+    """A member's side: start a donation when the coordinator names this member a newcomer's
+    donor, feed it at every commit, end it when this member leaves its generation."""
+
+    def __init__(self, job: "Job") -> None:
+        self.job = job
+        self.wanted: dict[str, Any] | None = None
+        """The coordinator's request (``{"member", "address"}``), set from the heartbeat thread."""
+        self.active: Donation | None = None
+        self._served: set[str] = set()
+
+    def before_step(self, step: Any) -> None:
+        """In a commit, before the optimizer's step."""
+        wanted = self.wanted
+        if self.active is None and wanted and wanted.get("member") not in self._served and eligible(self.job):
+            self._served.add(wanted["member"])
+            try:
+                self.active = Donation(self.job, wanted["member"], wanted["address"])
+            except OSError as exc:
+                log.info("%s: could not reach %s to donate its state: %s", self.job.member_id, wanted["member"], exc)
+                return
+            self.job._events.emit("donation", member=self.job.member_id, to=wanted["member"], step=step.index)
+            self.job._chaos.point("donate", step.index)
+        if self.active is not None:
+            self.active.record(step)
+
+    def end(self, with_digest: bool) -> None:
+        """This member leaves its generation (or the job): end the stream. ``with_digest``: at a
+        step boundary, where the newcomer checks its replay against this member's parameters."""
+        donation, self.active = self.active, None
+        if donation is None:
+            return
+        if donation.failed:
+            donation.link.close()
+            return
+        donation.end(params_digest(self.job) if with_digest else None, self.job.settings.collective_timeout)
+
+
+# -- the newcomer ---------------------------------------------------------------------------------
+
+
+class CatchUp:
+    """A newcomer's side: a port for its donor, and a thread that receives and replays."""
+
+    def __init__(self, job: "Job", host: str, warm: dict | None) -> None:
+        self.job, self.warm = job, warm
+        self.server = socket.create_server((host, 0))
+        self.address = f"{host}:{self.server.getsockname()[1]}"
+        self.deadline = time.monotonic() + max(10.0, job.settings.collective_timeout)
+        self.connected = threading.Event()
+        self.loaded = False
+        self.caught_up = False
+        self.ended = threading.Event()
+        self.error: str | None = None
+        self.diverged: str | None = None
+        self.replayed = 0
+        self.bytes = 0
+        self._stop = False
+        self._link: StreamLink | None = None
+        self._thread = threading.Thread(target=self._receive, name="unbroken-catch-up", daemon=True)
+        self._thread.start()
+
+    def wanted(self) -> bool:
+        """Whether the newcomer should still ask to catch up (not yet caught up, nothing failed,
+        and a donor has come, or may still come)."""
+        if self.caught_up or self.ended.is_set():
+            return False
+        return self.connected.is_set() or time.monotonic() < self.deadline
+
+    def finish(self, timeout: float) -> None:
+        """Wait for the stream's end (the donor left its generation), then stop; raises
+        :class:`ReplicaDivergence` if the replay ended elsewhere than the donor."""
+        if not self.ended.wait(timeout if self.connected.is_set() else 0.0):
+            self._stop = True
+            if self._link is not None:
+                self._link.close()
+            self.server.close()
+            self._thread.join(timeout)
+        self.server.close()
+        if self.diverged:
+            raise ReplicaDivergence(self.diverged)
+
+    def _receive(self) -> None:
+        job = self.job
+        started = time.monotonic()
+        try:
+            self.server.settimeout(max(0.1, self.deadline - time.monotonic()))
+            conn, _ = self.server.accept()
+            conn.settimeout(None)
+            self._link = link = StreamLink(conn)
+            self.connected.set()
+            state, self.bytes = healing.recv_state(link, 0, into=self.warm)
+            job._load(state)
+            del state
+            job.fresh = False
+            self.warm = job._warm = None
+            self.loaded = True
+            log.info("%s: state of step %d received from its donor (%d bytes); replaying the steps since",
+                     job.member_id, job.next_step, self.bytes)
+            params, buffers = _params(job), list(job.model.buffers())
+            while not self._stop:
+                header = torch.zeros(4, dtype=torch.int64)
+                link.recv(header, tag=TAG_RECORD, what="catch-up record")
+                kind, index, value, pending = header.tolist()
+                if kind == END:
+                    self._check(index, value)
+                    break
+                mask = torch.zeros(len(params), dtype=torch.uint8)
+                link.recv(mask, tag=TAG_MASK, what="catch-up record")
+                grads = []
+                for p, present in zip(params, mask.tolist()):
+                    grad = None
+                    if present:
+                        grad = torch.empty(p.shape, dtype=p.dtype)
+                        link.recv(grad, tag=TAG_TENSOR, what="catch-up gradient")
+                    grads.append(grad)
+                values = []
+                for b in buffers:
+                    value = torch.empty(b.shape, dtype=b.dtype)
+                    link.recv(value, tag=TAG_TENSOR, what="catch-up buffer")
+                    values.append(value)
+                if index != job.next_step:
+                    raise LinkBroken(f"the donor sent step {index}, this member is at step {job.next_step}")
+                replay(job, index, value, grads, values)
+                self.replayed += 1
+                self.caught_up = self.caught_up or pending == 0
+        except (LinkBroken, OSError, socket.timeout) as exc:
+            self.error = str(exc)
+            log.info("%s: catching up stopped (%s); the heal brings it up to date", job.member_id, exc)
+        finally:
+            if self._link is not None:
+                self._link.close()
+            self.server.close()
+            job._events.emit("catch_up", member=job.member_id, loaded=self.loaded, replayed=self.replayed, step=job.next_step,
+                             bytes=self.bytes, seconds=round(time.monotonic() - started, 3), error=self.error)
+            self.ended.set()
+
+    def _check(self, next_step: int, digest: int) -> None:
+        job = self.job
+        if next_step != job.next_step:
+            raise LinkBroken(f"the donor ended at step {next_step}, this member replayed to step {job.next_step}")
+        if digest >= 0 and params_digest(job) != digest:
+            self.diverged = (f"{job.member_id}: its parameters after catching up to step {job.next_step} differ from its"
+                             " donor's; it ends and starts afresh")
+
+
+def replay(job: "Job", index: int, generation: int, grads: list[torch.Tensor | None], buffers: list[torch.Tensor]) -> None:
+    """Apply step ``index`` as its commit did (:meth:`unbroken.worker.step.Step.commit`):
+    the reduced gradients through the optimizer and the scheduler, then the synced buffers."""
+    for p, grad in zip(_params(job), grads):
+        p.grad = None if grad is None else grad.to(p.device)
+    job._committing = True
+    try:
+        job.optimizer.step()
+        if job.scheduler is not None:
+            job.scheduler.step()
+        job.optimizer.zero_grad(set_to_none=True)
+    finally:
+        job._committing = False
+    with torch.no_grad():
+        for b, value in zip(job.model.buffers(), buffers):
+            b.copy_(value)
+    job.next_step = index + 1
+    job.lineage.append(generation)
+    job._digest = healing.extend_digest(job._digest, generation)
+    job.fresh = False
