@@ -78,7 +78,7 @@ class Donation:
         self.link = StreamLink(socket.create_connection((host, int(port)), timeout=5.0))
         self.link.sock.settimeout(None)
         self.state = snapshot(job._state())
-        copies_done(self.state)
+        copies_done(self.state)()  # a GPU state: its copies to the host have landed
         self.records: queue.Queue = queue.Queue()
         self.failed: str | None = None
         self.steps = 0
