@@ -45,6 +45,7 @@ def test_failure_free_run_matches_a_single_process_and_applies_every_sample_once
     harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     generations = run.events("generation")
     assert len(generations) == 1  # no failure, no re-formation
+    assert run.events("heal") == []  # every member built the same state: nothing to copy at the start
     started = sorted(e["member"] for e in run.events("worker_start"))
     assert len(started) == 4 and sorted(generations[0]["members"]) == started
 

@@ -86,7 +86,7 @@ class Checkpointing:
         """The job resumed from a checkpoint: unless it was the job's final one, every live copy of
         the state had been lost, the failure that ``auto``'s interval counts (:class:`Schedule`)."""
         if self.schedule is not None:
-            self.schedule.adopt(manifest.get("runtime", {}).get("checkpoints"), time.monotonic(), lost=not manifest.get("final"))
+            self.schedule.adopt(manifest.get("runtime", {}).get("checkpoint_schedule"), time.monotonic(), lost=not manifest.get("final"))
 
     def record(self) -> dict[str, float] | None:
         """What the schedule knows of the job's history, to travel with the state (heals, checkpoints)."""
@@ -141,7 +141,7 @@ class Checkpointing:
         job = self.job
         group = job._joiner.group
         meta = {"generation": job.generation, "members": list(group.members) if group else [job.member_id], "final": final,
-                "runtime": {"next_step": job.next_step, "lineage": list(job.lineage), "checkpoints": self.record()}}
+                "runtime": {"next_step": job.next_step, "lineage": list(job.lineage), "checkpoint_schedule": self.record()}}
         if job._group is not None:
             meta.update(plan=self._plan())
         with job._joiner.busy("checkpoint snapshot"):

@@ -128,9 +128,15 @@ def lineage_digest(lineage: list[int]) -> int:
     return digest
 
 
+_NOT_STATE = ("rng", "checkpoint_schedule")
+"""Keys of a state that :func:`state_digest` leaves out: the RNG states (every member is reseeded
+after a heal) and the checkpoint schedule's history (seconds trained, which no two processes
+count alike)."""
+
+
 def state_digest(state: Any) -> int:
     """A 63-bit digest of a training state's values (tensors bit for bit, the rest by value),
-    RNG states left out: members whose digests agree hold the same state, so a heal between them
+    :data:`_NOT_STATE` left out: members whose digests agree hold the same state, so a heal between them
     would copy nothing (every member is reseeded after a heal anyway)."""
     import hashlib
 
@@ -146,7 +152,7 @@ def state_digest(state: Any) -> int:
         elif isinstance(value, dict):
             h.update(b"D")
             for key in sorted(value, key=repr):
-                if key != "rng":
+                if key not in _NOT_STATE:
                     h.update(repr(key).encode())
                     walk(value[key])
         elif isinstance(value, (list, tuple)):

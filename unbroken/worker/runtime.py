@@ -583,7 +583,7 @@ class Job:
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
-            "runtime": {"next_step": self.next_step, "lineage": list(self.lineage), "checkpoints": self._checkpointing.record()},
+            "runtime": {"next_step": self.next_step, "lineage": list(self.lineage), "checkpoint_schedule": self._checkpointing.record()},
             "plan": {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len},
             "rng": healing.rng_state(self._device),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -609,7 +609,7 @@ class Job:
         self.next_step = state["runtime"]["next_step"]
         self.lineage = list(state["runtime"]["lineage"])
         self._digest = healing.lineage_digest(self.lineage)
-        self._checkpointing.adopt(state["runtime"].get("checkpoints"))  # absent from older states
+        self._checkpointing.adopt(state["runtime"].get("checkpoint_schedule"))  # absent from older states
         if self.scaler is not None and state.get("scaler"):  # absent from older states
             self.scaler.load_state_dict(state["scaler"])
         healing.set_rng_state(state["rng"], self._device)

@@ -545,6 +545,9 @@ def test_state_digest_is_equal_for_equal_states_whatever_their_rng_and_differs_o
     a, b = state(0), state(0)
     torch.randn(5)  # another RNG position: not part of the digest
     b["rng"] = healing.rng_state()
+    # nor the checkpoint schedule's history: two processes started a moment apart count other seconds
+    a["runtime"]["checkpoint_schedule"] = {"losses": 0, "seconds": 0.123}
+    b["runtime"]["checkpoint_schedule"] = {"losses": 0, "seconds": 0.456}
     assert healing.state_digest(a) == healing.state_digest(b)
     assert healing.state_digest(a) != healing.state_digest(state(0, noise=1e-7))
     assert healing.state_digest(a) != healing.state_digest(state(1))
