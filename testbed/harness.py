@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -187,6 +187,16 @@ def check_same_model(out_dir: str, reference: dict[str, torch.Tensor], members: 
         assert difference < tolerance, f"{member}: relative difference {difference:.3g} from the reference"
         worst = max(worst, difference)
     return worst
+
+
+def state_received(events_of: Callable[[str], list[dict[str, Any]]], member: str) -> list[dict[str, Any]]:
+    """The events in which a member whose name contains ``member`` got the job's live state from
+    a peer, oldest first: a heal that sent it the state, or its catch-up (it loaded a donor's state
+    and replayed the steps since, unbroken.worker.catch_up). ``events_of(kind)`` lists a run's
+    events of one kind (``Run.events``)."""
+    heals = [e for e in events_of("heal") if any(member in r for r in e["receivers"])]
+    caught = [e for e in events_of("catch_up") if member in e["member"] and e["loaded"] and e["error"] is None]
+    return sorted(heals + caught, key=lambda e: e["t"])
 
 
 def finished_members(run_dir: str) -> list[str]:

@@ -69,6 +69,8 @@ def test_loader_workers_and_prefetching_keep_exactly_once_and_the_same_model_wha
         run_dir, "--nproc-per-node", "3", "--max-restarts", "3", "--record-samples", "--chaos", chaos,
         harness.EXACT, "--steps", str(STEPS), "--step-delay", delay, *LOADER,
         "--out", f"{run_dir}/final", "--loader-pids", f"{run_dir}/loaders.jsonl",
+        # the restarted worker waits to be healed (instead of catching up), so that the heal runs
+        env={"UNBROKEN_REJOIN": "heal"} if "@heal" in chaos else None,
     )
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     exits = [e for w in run.summary()["workers"] for e in w["exits"]]

@@ -53,7 +53,7 @@ def test_the_run_finished_with_one_kill_and_its_rejoin(observed):
     assert (fault["fault"], fault["step"]) == ("kill", KILL_STEP)
     workers = {w["local_rank"]: w for w in run.summary()["workers"]}
     assert workers[1]["restarts"] == 1 and workers[1]["exits"][0]["how"] == "killed by SIGKILL"
-    assert any(".w1.r1" in r for e in run.events("heal") for r in e["receivers"]), "the restarted worker never rejoined"
+    assert harness.state_received(run.events, ".w1.r1"), "the restarted worker never rejoined"
 
 
 def test_the_members_metric_is_3_then_2_after_the_kill_then_3_again(observed):

@@ -40,10 +40,10 @@ def test_a_slot_killed_five_times_within_the_window_is_quarantined_and_rejoins_a
     assert during and all(e["members"] == 3 for e in during)
     assert not [e for e in run.events("worker_start") if e["local_rank"] == 1 and quarantine["t"] < e["t"] < end["t"]]
 
-    # then the slot was started again, with a fresh budget, and rejoined: healed from a live peer
+    # then the slot was started again, with a fresh budget, and rejoined with a live peer's state
     (back,) = [e for e in run.events("worker_start") if e["local_rank"] == 1 and e["t"] > end["t"]]
     assert back["restart"] == KILLS and back["member"] == f"{slot}.r{KILLS}"
-    healed = [e for e in run.events("heal") if back["member"] in e["receivers"]]
+    healed = harness.state_received(run.events, back["member"])
     assert healed and 0 < healed[0]["step"] < STEPS
     assert any(e["members"] == 4 for e in run.events("step") if e["t"] > healed[0]["t"])
 

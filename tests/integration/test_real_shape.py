@@ -100,6 +100,9 @@ def test_the_last_state_holder_dying_before_it_heals_the_others_resumes_from_the
         "--chaos", "kill@step,rank=1,step=12;kill@heal,rank=0,step=12",
         # slow steps, so that the restarted worker 1 (a fresh `import torch`) rejoins long before the end
         harness.EXACT, "--steps", str(steps), "--step-delay", "0.4", "--out", f"{run_dir}/final",
+        # the restarted worker waits to be healed (a donor dying while it streams can leave the
+        # newcomer a valid, earlier state: tests/integration/test_survival.py)
+        env={"UNBROKEN_REJOIN": "heal"},
     )
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert len(run.events("fault")) == 2

@@ -428,26 +428,28 @@ class Membership(Liveness):
     def _catch_up(self, member: Member, address: str | None) -> bool:
         """Start or end ``member``'s catching up (``address``: where its donor streams to). A
         donor is the highest-ranked active member of the current generation that donates to
-        nobody yet. Returns True if anything changed."""
-        if member.catch_up == address:
+        nobody else; without one, the member waits as an ordinary joiner (and is healed). Returns
+        True if anything changed."""
+        donor = None
+        if address is not None and self.current is not None:
+            for candidate in reversed(self.current.members):
+                m = self.members.get(candidate)
+                if m is not None and m.state is MemberState.ACTIVE and self._donating.get(candidate, member.id) == member.id:
+                    donor = candidate
+                    break
+        if donor is None:
+            address = None  # nobody can donate now: it waits as any joiner does, and is healed
+        if member.catch_up == address and self._catching.get(member.id) == donor:
             return False
-        donor = self._catching.pop(member.id, None)
-        if donor:
-            self._donating.pop(donor, None)
-            self.changed_members.add(donor)
+        previous = self._catching.pop(member.id, None)
+        if previous:
+            self._donating.pop(previous, None)
+            self.changed_members.add(previous)
         member.catch_up = address
-        if address is not None:
-            donor = ""
-            if self.current is not None:
-                for candidate in reversed(self.current.members):
-                    m = self.members.get(candidate)
-                    if m is not None and m.state is MemberState.ACTIVE and candidate not in self._donating:
-                        donor = candidate
-                        break
+        if donor is not None:
             self._catching[member.id] = donor
-            if donor:
-                self._donating[donor] = member.id
-                self.changed_members.add(donor)
+            self._donating[donor] = member.id
+            self.changed_members.add(donor)
         self.version += 1
         return True
 

@@ -220,14 +220,14 @@ class CatchUp:
         return self.connected.is_set() or time.monotonic() < self.deadline
 
     def finish(self, timeout: float) -> None:
-        """Wait for the stream's end (the donor left its generation), then stop; raises
-        :class:`ReplicaDivergence` if the replay ended elsewhere than the donor."""
+        """Wait (up to ``timeout``) for the stream's end (the donor left its generation), then
+        stop the receiver and wait until it has: it never touches the state after this returns.
+        Raises :class:`ReplicaDivergence` if the replay ended elsewhere than the donor."""
         if not self.ended.wait(timeout if self.connected.is_set() else 0.0):
             self._stop = True
             if self._link is not None:
                 self._link.close()
-            self.server.close()
-            self._thread.join(timeout)
+        self._thread.join()  # at most one load or replay more: it checks _stop between them
         self.server.close()
         if self.diverged:
             raise ReplicaDivergence(self.diverged)
@@ -236,12 +236,24 @@ class CatchUp:
         job = self.job
         started = time.monotonic()
         try:
-            self.server.settimeout(max(0.1, self.deadline - time.monotonic()))
-            conn, _ = self.server.accept()
+            self.server.settimeout(0.2)  # short waits: finish() must be able to stop it at once
+            conn = None
+            while conn is None:
+                if self._stop or time.monotonic() > self.deadline:
+                    raise LinkBroken("no donor came")
+                try:
+                    conn, _ = self.server.accept()
+                except socket.timeout:
+                    continue
             conn.settimeout(None)
+            if self._stop:
+                conn.close()
+                raise LinkBroken("a generation formed before the donor came")
             self._link = link = StreamLink(conn)
             self.connected.set()
             state, self.bytes = healing.recv_state(link, 0, into=self.warm)
+            if self._stop:
+                raise LinkBroken("a generation formed while the state arrived")
             job._load(state)
             del state
             job.fresh = False

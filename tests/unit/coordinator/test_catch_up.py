@@ -55,7 +55,15 @@ def test_a_formation_ends_every_catch_up_and_a_dead_newcomer_no_longer_counts():
     assert m2.members["new"].state is MemberState.DEAD and m2.catching_up() == 0 and not m2.reconfigure_wanted()
 
 
-def test_without_a_running_generation_no_donor_is_named():
+def test_without_a_running_generation_or_a_free_donor_it_waits_as_any_joiner_and_is_healed():
     m = Membership(MembershipSettings(heartbeat_timeout=5.0, expected_members=3))
     m.join("new", "node", pid=9, step=0, now=0.0, catch_up="x:1")
-    assert all("donate" not in m.view_for(x) for x in ("new",)) and m.catching_up() == 1
+    assert m.catching_up() == 0 and m.members["new"].catch_up is None
+    m = _running("a", "b")
+    m.join("n1", "node", pid=1, step=0, now=1.0, catch_up="x:1")
+    m.join("n2", "node", pid=2, step=0, now=1.0, catch_up="x:2")
+    assert {m.view_for("b")["donate"]["member"], m.view_for("a")["donate"]["member"]} == {"n1", "n2"}
+    assert not m.reconfigure_wanted()
+    m.join("n3", "node", pid=3, step=0, now=1.0, catch_up="x:3")  # every member donates already
+    assert m.members["n3"].catch_up is None and m.reconfigure_wanted()
+    assert not m.join("n1", "node", pid=1, step=0, now=1.5, catch_up="x:1")  # polling again keeps its donor
