@@ -11,8 +11,9 @@ silent), and whether its processes restart in place (software) or a node must be
 classified in ``LLAMA3_CAUSES``). Every strategy sees the same failures. Three strategies:
 
 - ``unbroken``: survivors detect, re-form without the failed replica, redo the interrupted step and
-  go on with one replica fewer until its replacement joins; then they re-form again and wait while
-  it is healed from a live peer at link speed. A replica group is one member of the coordinator
+  go on with one replica fewer until its replacement joins. The replacement catches up from a live
+  peer while they train (its state, then every step since); then they re-form again, which costs
+  them the re-formation and what ``bench_rejoin.py`` measured beyond a step. A replica group is one member of the coordinator
   (``--group-size``), so re-formations are costed at one member per replica, and only the
   communicators across replicas are set up again (each replica's own mesh stays).
 - ``restart``: restart-the-world with checkpoints (torchrun-like): detect (a hang only at the
@@ -82,6 +83,7 @@ def _share(kind: str) -> float:
 
 
 COMPARE = "`python benchmarks/bench_compare.py`"
+CATCH_UP_STALL = 0.87  # benchmarks/bench_rejoin.py, 2026-12-03 (the heal: 1.25 s)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class Inputs:
         "benchmarks/bench_coordinator.py --members 128 256`, `--members 1000 4000`, then `--members 8000`; "
         "docs/guide/scale.md); linear between, extrapolated beyond 8,000; a replica group is one member")
     unbroken_rejoin_s: float = _in(3.92, "s", "measured here", f"restarted process -> its first commit ({COMPARE})")
+    unbroken_catch_up_stall_s: float = _in(CATCH_UP_STALL, "s", "measured here", "what a rejoin costs the survivors beyond "
+                                           "a step, the newcomer caught up while they trained; 1 GB of state on 2 CPU "
+                                           "cores (`python benchmarks/bench_rejoin.py`)")
     restart_crash_s: float = _in(6.41, "s", "measured here", "torchrun elastic, SIGKILL -> survivors commit again "
                                  f"({COMPARE})")
     restart_hang_s: float = _in(630.0, "s", "assumed", "torch's NCCL collective timeout (10 min) + torchrun's 30 s "
@@ -242,7 +247,8 @@ def simulate(strategy: str, inp: Inputs, gpus: int, failures: list, horizon_s: f
             continue  # only the interval is taken again
         if next_return <= next_failure:  # a replacement joins
             heapq.heappop(out)
-            t += reform + pg + heal if strategy == "unbroken" else pg
+            # unbroken: the newcomer caught up while the others trained; they re-form for it
+            t += reform + pg + inp.unbroken_catch_up_stall_s if strategy == "unbroken" else pg
             continue
         _, hang, in_place, frac = failures[i]
         i += 1
