@@ -24,6 +24,7 @@ Prints a markdown table; ``--json`` prints one JSON object. Writes benchmarks/re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -200,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "storm.json"), help="where the figures go (JSON)")
+    parser.add_argument("--work", default=None, help="keep every run's logs under this folder (default: a temporary one)")
     args = parser.parse_args(argv)
     if len(args.every) != len(args.failures) or min(args.every) <= 0 or min(args.failures) < 1:
         parser.error("--every and --failures need one positive value per case each")
-    with tempfile.TemporaryDirectory(prefix="storm-") as work:
+    with (contextlib.nullcontext(os.path.abspath(args.work)) if args.work else tempfile.TemporaryDirectory(prefix="storm-")) as work:
         healthy = run_storm(os.path.join(work, "healthy"), args.healthy_steps, args.step_delay, None, 0, args.seed)
         rate = healthy["samples_per_s"]
         if not rate > 0:
