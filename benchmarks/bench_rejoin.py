@@ -42,15 +42,6 @@ from testbed import harness  # noqa: E402
 SCRIPT = os.path.join(HERE, "rejoin_step.py")
 
 
-def _commits(path: str) -> dict[str, list[dict]]:
-    by_member: dict[str, list[dict]] = {}
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            by_member.setdefault(record["member"], []).append(record)
-    return by_member
-
-
 def trial(directory: str, state_gb: float, steps: int, kill_step: int, rejoin: str) -> dict:
     run_dir, commits, out = (os.path.join(directory, name) for name in ("run", "commits.jsonl", "final"))
     script = [SCRIPT, "--state-gb", str(state_gb), "--steps", str(steps)]
@@ -60,7 +51,7 @@ def trial(directory: str, state_gb: float, steps: int, kill_step: int, rejoin: s
         raise SystemExit(f"the run failed (exit {run.code}):\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
     generations = run.events("generation")
     back = next(g for g in generations if any(".w2.r1" in m for m in g["members"]))
-    by_member = _commits(commits)
+    by_member = harness.jsonl_by(commits, "member")
     survivors = [m for m in by_member if ".w2." not in m]
     kill = run.events("fault")[0]["t"]
     healthy, around = [], []

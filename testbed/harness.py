@@ -189,6 +189,16 @@ def check_same_model(out_dir: str, reference: dict[str, torch.Tensor], members: 
     return worst
 
 
+def jsonl_by(path: str, key: str) -> dict[Any, list[dict[str, Any]]]:
+    """The JSON lines of ``path`` (a script's own log), grouped by the value of ``key``, in order."""
+    grouped: dict[Any, list[dict[str, Any]]] = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            grouped.setdefault(record[key], []).append(record)
+    return grouped
+
+
 def state_received(events_of: Callable[[str], list[dict[str, Any]]], member: str) -> list[dict[str, Any]]:
     """The events in which a member whose name contains ``member`` got the job's live state from
     a peer, oldest first: a heal that sent it the state, or its catch-up (it loaded a donor's state

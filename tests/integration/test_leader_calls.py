@@ -20,15 +20,6 @@ FAST = ["--heartbeat-interval", "0.25", "--heartbeat-timeout", "1", "--progress-
 STEPS, EVERY, EVAL_SECONDS = 12, 4, 3.0
 
 
-def _evals(path: str) -> dict[int, list[dict]]:
-    by_step: dict[int, list[dict]] = {}
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            by_step.setdefault(record["step"], []).append(record)
-    return by_step
-
-
 def _run(tmp_path, *script_args):
     run_dir = str(tmp_path / "run")
     log = str(tmp_path / "evals.jsonl")
@@ -42,7 +33,7 @@ def _run(tmp_path, *script_args):
     harness.check_exactly_once(run_dir, STEPS, GLOBAL)
     single = harness.single_process(str(tmp_path / "single"), "--steps", str(STEPS))
     harness.check_same_model(f"{run_dir}/final", single, harness.finished_members(run_dir))
-    return run, _evals(log)
+    return run, harness.jsonl_by(log, "step")
 
 
 def test_a_leader_evaluation_longer_than_every_timeout_fences_nobody_and_reaches_every_member(tmp_path):

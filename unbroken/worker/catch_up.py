@@ -180,10 +180,7 @@ class Donor:
         """This member leaves its generation (or the job): end the stream. ``with_digest``: at a
         step boundary, where the newcomer checks its replay against this member's parameters."""
         donation, self.active = self.active, None
-        if donation is None:
-            return
-        if donation.failed:
-            donation.link.close()
+        if donation is None or donation.failed:  # a failed donation closed its stream already
             return
         donation.end(params_digest(self.job) if with_digest else None, self.job.settings.collective_timeout)
 
