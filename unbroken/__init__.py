@@ -19,10 +19,10 @@ _PUBLIC = {
     "local_device": "unbroken.worker.devices",
     "RandomWindows": "unbroken.data.windows",
     "ShardedArrays": "unbroken.data.shards",
-    "sample_rng": "unbroken.data.loader",
-    "sample_seed": "unbroken.data.loader",
-    "current_sample": "unbroken.data.loader",
-    "SampleInfo": "unbroken.data.loader",
+    "sample_rng": "unbroken.data.sample_randomness",
+    "sample_seed": "unbroken.data.sample_randomness",
+    "current_sample": "unbroken.data.sample_randomness",
+    "SampleInfo": "unbroken.data.sample_randomness",
     "CheckpointSettings": "unbroken.storage.checkpoint",
     "sum_gradients": "unbroken.replica_groups.sharding",
     "read_events": "unbroken.observe.events",
@@ -36,7 +36,7 @@ __all__ = [
 ]  # written out for the linters; a test checks that it names exactly _PUBLIC and __version__
 
 if TYPE_CHECKING:
-    from unbroken.data.loader import SampleInfo, current_sample, sample_rng, sample_seed
+    from unbroken.data.sample_randomness import SampleInfo, current_sample, sample_rng, sample_seed
     from unbroken.data.shards import ShardedArrays
     from unbroken.data.windows import RandomWindows
     from unbroken.observe.events import read_events

@@ -21,7 +21,8 @@ numpy's global generator are seeded from (job seed, stream position) (:func:`sam
 in a worker process as in the training thread (whose generators are put back afterwards). An
 augmentation drawn from them depends only on the sample's position: a redone step sees the same
 augmentations, and a run gives the same batches whatever the member count and ``num_workers``.
-:func:`sample_rng` and :func:`sample_seed` give a dedicated generator or seed for the same.
+:func:`sample_rng` and :func:`sample_seed` give a dedicated generator or seed for the same
+(all in :mod:`unbroken.data.sample_randomness`, and offered here too).
 
 A sample whose ``__getitem__`` raises is not retried: the request for its micro-batch raises
 :class:`~unbroken.errors.SampleError` naming the data set index, the stream position and the step.
@@ -38,232 +39,29 @@ import atexit
 import collections
 import ctypes
 import functools
-import hashlib
 import multiprocessing
 import os
-import random
 import signal
 import sys
-import traceback
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from unbroken.data.data_plan import DataPlan
-from unbroken.errors import ConfigError, SampleError
+from unbroken.data.planned_samples import Key, LoaderWorkerTraceback, PlannedSamples, Where, _error, _identity
+from unbroken.data.sample_randomness import (  # the per-sample names, offered here as before
+    SampleInfo,
+    _rng_state,
+    _set_rng_state,
+    current_sample,
+    sample_rng,
+    sample_seed,
+    sample_seed_for,
+)
+from unbroken.errors import ConfigError
 
 __all__ = ["Loader", "SampleInfo", "check_dataset", "current_sample", "sample_rng", "sample_seed", "sample_seed_for"]
-
-
-# -- per-sample randomness ------------------------------------------------------------------------
-
-
-def sample_seed_for(seed: int, position: int) -> int:
-    """The 63-bit seed of the sample at stream ``position`` of a job seeded with ``seed``."""
-    return _mix(f"unbroken:sample:{seed}:{position}")
-
-
-def _batch_seed(seed: int, start: int, size: int) -> int:
-    """The seed of a micro-batch's collate function: its first position and its size."""
-    return _mix(f"unbroken:batch:{seed}:{start}:{size}")
-
-
-def _mix(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-class SampleInfo(NamedTuple):
-    """The sample being loaded: where it is in the stream and in the data set."""
-
-    position: int
-    """Its stream position (step ``s`` holds positions ``[s*G, (s+1)*G)``)."""
-    index: int
-    """Its index in the data set."""
-    step: int
-    """The step it belongs to."""
-    seed: int
-    """Its seed, :func:`sample_seed_for` (job seed, position)."""
-
-
-_current: SampleInfo | None = None
-
-
-def current_sample() -> SampleInfo:
-    """The sample being loaded, for a data set's ``__getitem__`` (in a loader worker or not).
-
-    Raises:
-        RuntimeError: outside the loading of a sample by a :class:`~unbroken.Job`.
-    """
-    if _current is None:
-        raise RuntimeError("no sample is being loaded: current_sample(), sample_seed() and sample_rng() work inside a data set's __getitem__ called by unbroken")
-    return _current
-
-
-def sample_seed() -> int:
-    """The seed of the sample being loaded: a function of (job seed, stream position) only."""
-    return current_sample().seed
-
-
-def sample_rng() -> torch.Generator:
-    """A fresh CPU generator seeded for the sample being loaded (see :func:`sample_seed`)."""
-    return torch.Generator().manual_seed(current_sample().seed)
-
-
-def _seed_globals(seed: int) -> None:
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(seed % (1 << 32))
-
-
-def _rng_state() -> tuple[Any, ...]:
-    numpy = sys.modules.get("numpy")
-    return torch.default_generator.get_state(), random.getstate(), numpy.random.get_state() if numpy else None
-
-
-def _set_rng_state(state: tuple[Any, ...]) -> None:
-    torch.default_generator.set_state(state[0])
-    random.setstate(state[1])
-    if state[2] is not None:
-        sys.modules["numpy"].random.set_state(state[2])
-
-
-# -- what travels between the training process and the loader workers ------------------------------
-
-
-class Where(NamedTuple):
-    """A micro-batch of a member's share: the request a batch answers."""
-
-    step: int
-    member: int
-    members: int
-    micro: int
-
-
-class Key(NamedTuple):
-    """What the batch sampler hands a loader worker: a micro-batch and its data set indices."""
-
-    version: int
-    where: Where
-    start: int
-    """Stream position of the first sample."""
-    indices: tuple[int, ...]
-
-
-class Failure(NamedTuple):
-    """Why a micro-batch could not be built (a sample raised, or the collate function did)."""
-
-    index: int | None
-    position: int | None
-    error: str
-    details: str
-
-
-class Delivery(NamedTuple):
-    """A loader worker's answer: the batch, a failure, or neither (a stale key, skipped)."""
-
-    where: Where
-    batch: Any
-    failure: Failure | None
-
-
-def _identity(delivery: Delivery) -> Delivery:
-    return delivery
-
-
-class PlannedSamples(Dataset):
-    """The user's data set as loader workers see it: given a :class:`Key`, the micro-batch.
-
-    Each sample is loaded with the global generators seeded for its stream position; an error
-    becomes a :class:`Failure` (raised where the batch is consumed, not in the worker)."""
-
-    def __init__(self, dataset: Any, seed: int, collate_fn: Callable[[list[Any]], Any] | None) -> None:
-        self.dataset = dataset
-        self.seed = seed
-        self.collate_fn = collate_fn
-        self.version: Any = None  # shared with the workers: keys of another version are skipped
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitems__(self, key: Key) -> Delivery:
-        if self.version is not None and key.version != self.version.value:
-            return Delivery(key.where, None, None)
-        return self.load(key)
-
-    def load(self, key: Key, here: bool = False) -> Delivery:
-        """The micro-batch of ``key``. ``here``: in the training thread, raise at once (keeping
-        the traceback) instead of returning a failure."""
-        global _current
-        if self.collate_fn is None and isinstance(self.dataset, TensorDataset):
-            index = torch.tensor(key.indices, dtype=torch.long)
-            return Delivery(key.where, tuple(t[index] for t in self.dataset.tensors), None)
-        if not key.indices:
-            return Delivery(key.where, self._empty(key), None)
-        items = []
-        position, index = key.start, None
-        try:
-            for offset, index in enumerate(key.indices):
-                position = key.start + offset
-                _current = SampleInfo(position, index, key.where.step, sample_seed_for(self.seed, position))
-                _seed_globals(_current.seed)
-                items.append(self.dataset[index])
-            _current = None
-            position, index = None, None
-            # a micro-batch's own randomness (mixing samples) follows its first position and size
-            _seed_globals(_batch_seed(self.seed, key.start, len(key.indices)))
-            batch = self.collate_fn(items) if self.collate_fn is not None else default_collate(items)
-        except Exception as exc:
-            if here:
-                raise _error(key.where, index, position, f"{type(exc).__name__}: {exc}") from exc
-            return Delivery(key.where, None, Failure(index, position, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        finally:
-            _current = None
-        return Delivery(key.where, batch, None)
-
-
-    def _empty(self, key: Key) -> Any:
-        """An empty micro-batch shaped like a real one (a process of a replica group whose part of
-        a step is shorter than the others' still runs a forward and backward, on nothing): one
-        sample collated, every tensor in it cut to length 0. ``collate([])`` has no shape to give."""
-        _seed_globals(_batch_seed(self.seed, key.start, 0))
-        try:
-            batch = self.collate_fn([self.dataset[0]]) if self.collate_fn is not None else default_collate([self.dataset[0]])
-        except Exception as exc:
-            raise _error(key.where, 0, None, f"an empty micro-batch is shaped like sample 0, which failed: {type(exc).__name__}: {exc}") from exc
-        return _emptied(batch)
-
-
-def _emptied(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(_emptied(b) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_emptied(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _emptied(v) for k, v in batch.items()}
-    return batch
-
-
-class LoaderWorkerTraceback(Exception):
-    """The traceback of an error in a loader worker process, as text: the cause of the
-    :class:`SampleError` raised in the training process (printed before it)."""
-
-    def __str__(self) -> str:
-        return f"in the loader worker process:\n{self.args[0].rstrip()}"
-
-
-def _error(where: Where, index: int | None, position: int | None, error: str) -> SampleError:
-    member = f"member {where.member} of {where.members}, micro-batch {where.micro}"
-    if index is not None:
-        what = f"loading dataset[{index}] (stream position {position}) for step {where.step} ({member}) failed"
-        hint = "; a sample that cannot be loaded is not skipped (that would break exactly-once): fix or remove it"
-    else:
-        what = f"collating micro-batch {where.micro} of step {where.step} ({member}) failed"
-        hint = ""
-    return SampleError(f"{what}: {error}{hint}", step=where.step, index=index, position=position)
 
 
 # -- the loader ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from unbroken.errors import ConfigError
-from unbroken.data.loader import sample_rng
+from unbroken.data.sample_randomness import sample_rng
 
 
 class RandomWindows(torch.utils.data.Dataset):
