@@ -1,8 +1,9 @@
 """Replica groups: K processes that shard one replica (FSDP) and are one member of the job.
 
-:mod:`~unbroken.replica_groups.sharding` holds the pure pieces (the data plan split for groups,
-group shapes, the local shards of gradients and state); :mod:`~unbroken.replica_groups.group_relay`
-passes what process 0 hears from the coordinator on to the others. The worker's side of a group
+:mod:`~unbroken.replica_groups.sharding` holds the pure pieces (group shapes, the local shards of
+gradients and state, and, from :mod:`~unbroken.replica_groups.process_plan`, the data plan split
+for groups); :mod:`~unbroken.replica_groups.group_relay` passes what process 0 hears from the
+coordinator on to the others. The worker's side of a group
 (``group_mesh()``, its process group, watchdog and votes) is :mod:`unbroken.worker.group_member`.
 
 May import: :mod:`unbroken.errors`, :mod:`unbroken.store_keys`, :mod:`unbroken.data`,

@@ -6,7 +6,8 @@ every group holds the same shard, so the cross-group gradient allreduce, healing
 all work per shard index ``j``. This module holds the pure pieces the runtime uses (the design
 note at the end of this docstring has the findings and how the runtime uses them):
 
-- :func:`process_share` / :func:`process_micro_batches`: the data plan split for groups. Group
+- :func:`process_share` / :func:`process_micro_batches` (in :mod:`unbroken.replica_groups.process_plan`,
+  offered here too): the data plan split for groups. Group
   ``g`` of ``n`` takes its contiguous share of step ``s`` exactly as a member does
   (:meth:`unbroken.data.data_plan.DataPlan.share`), process ``j`` of ``K`` its contiguous part of that
   share. The micro-batches of a step have the same *count* on every process of a group, because
@@ -150,14 +151,13 @@ spanning nodes, anything on a GPU.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from unbroken.data.data_plan import DataPlan, Split
 from unbroken.errors import ConfigError
+from unbroken.replica_groups.process_plan import ProcessPlan, process_micro_batches, process_share  # offered here as before
 
 __all__ = [
     "GroupMismatch",
@@ -179,73 +179,6 @@ __all__ = [
 class GroupMismatch(ConfigError):
     """A replica group differs from the job's groups in size or sharding, so its process ``j``
     would not hold the same shard as process ``j`` of the others; it is refused."""
-
-
-# -- the data plan split ---------------------------------------------------------------------------
-
-
-def _check_index(what: str, index: int, count: int) -> None:
-    if count <= 0 or not 0 <= index < count:
-        raise ValueError(f"{what} index {index} is not in 0..{count - 1} (count {count})")
-
-
-def _part(share: range, index: int, count: int) -> range:
-    """The contiguous part ``index`` of ``count`` of ``share``, sizes differing by at most one
-    (larger parts first, as :meth:`DataPlan.share` cuts the global batch)."""
-    base, extra = divmod(len(share), count)
-    start = share.start + index * base + min(index, extra)
-    return range(start, start + base + (1 if index < extra else 0))
-
-
-def process_share(plan: DataPlan, step: int, group: int, groups: int, process: int, group_size: int) -> range:
-    """Stream positions of ``step`` that process ``process`` of group ``group`` processes.
-
-    The group's share is ``plan.share(step, group, groups)``; process ``j`` of the ``group_size``
-    processes takes its contiguous part. Over all ``(group, process)`` the parts are exactly
-    ``[step*G, (step+1)*G)``, each position once, whatever ``groups`` and ``group_size``.
-    """
-    _check_index("process", process, group_size)
-    return _part(plan.share(step, group, groups), process, group_size)
-
-
-def process_micro_batches(plan: DataPlan, step: int, group: int, groups: int, process: int, group_size: int) -> list[range]:
-    """The process's part of ``step`` cut into micro-batches, the same number on every process of
-    the group (at least one, possibly empty).
-
-    The count is ``ceil(largest part in the group / micro_batch_size)`` (at least 1); each part is
-    cut as :meth:`DataPlan.micro_batches` cuts a share (pieces of the micro-batch size from the
-    start, the last one shorter), then padded with empty ranges up to that count. A process with fewer samples (or none, when ``G < groups * group_size``) still
-    runs the same number of forward/backward passes, some on empty batches, because each FSDP
-    backward is a collective of the whole group. The loss of a micro-batch must then be written as
-    a *sum* over its samples divided by ``G`` (an empty batch contributes 0, not NaN).
-    """
-    within = ProcessPlan(plan.dataset_len, plan.global_batch_size, plan.micro_batch_size, plan.seed, group_size, process)
-    return within.micro_batches(step, group, groups)
-
-
-@dataclass(frozen=True)
-class ProcessPlan(DataPlan):
-    """The data plan of one process of a replica group: :meth:`share` and :meth:`micro_batches`
-    of *member* ``index`` of ``count`` (a group) give this process's part of the group's share,
-    as :func:`process_share` and :func:`process_micro_batches` cut it. The runtime's step and
-    loader use it in place of the plain plan, so they need not know about groups."""
-
-    group_size: int = 1
-    process: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_index("process", self.process, self.group_size)
-
-    def share(self, step: int, index: int, count: "int | Split") -> range:
-        return _part(DataPlan.share(self, step, index, count), self.process, self.group_size)
-
-    def micro_batches(self, step: int, index: int, count: "int | Split") -> list[range]:
-        group_share = DataPlan.share(self, step, index, count)
-        largest = len(_part(group_share, 0, self.group_size))
-        m = self.micro_batch_size
-        mine = _part(group_share, self.process, self.group_size)
-        return [mine[i * m : (i + 1) * m] for i in range(max(1, math.ceil(largest / m)))]
 
 
 # -- every group has the same size and sharding ----------------------------------------------------

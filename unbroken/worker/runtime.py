@@ -120,7 +120,7 @@ class Job:
             seed,
         )
         if self._group is not None and self._group.grouped:
-            from unbroken.replica_groups.sharding import ProcessPlan
+            from unbroken.replica_groups.process_plan import ProcessPlan
 
             self.plan: DataPlan = ProcessPlan(*plan_args, self._group.size, self._group.rank)
         else:
