@@ -42,7 +42,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from unbroken.errors import EXIT_PEER_SILENT, UnbrokenError  # EXIT_PEER_SILENT: defined beside the other exit statuses
+from unbroken.errors import EXIT_PEER_SILENT  # defined beside the other exit statuses
+from unbroken.replica_groups.relay_records import Relayed, RelayTimeout, relay_prefix  # offered here as before
 
 log = logging.getLogger(__name__)
 
@@ -54,28 +55,6 @@ __all__ = [
     "RelayTimeout",
     "relay_prefix",
 ]
-
-
-class RelayTimeout(UnbrokenError):
-    """Process 0 of the group published nothing new within the time a peer waited for it."""
-
-
-@dataclass(frozen=True)
-class Relayed:
-    """One published record: ``seq`` counts publications of its kind (1, 2, ...) within the
-    incarnation, so a reader can ask for anything newer than what it has without relying on the
-    coordinator's generation numbers (a restarted coordinator may start them again)."""
-
-    seq: int
-    value: dict[str, Any]
-
-
-def relay_prefix(group: str, incarnation: int | str) -> str:
-    """The store prefix of incarnation ``incarnation`` of group ``group`` (the launcher counts a
-    group's starts; every start gets a new prefix, so stale keys of a dead one are never read)."""
-    if not str(group) or "/" in str(group) or "/" in str(incarnation):
-        raise ValueError(f"group name and incarnation must be non-empty and contain no '/': {group!r}, {incarnation!r}")
-    return f"unbroken/relay/{group}/{incarnation}/"
 
 
 @dataclass
