@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from unbroken.storage.checkpoint import MANIFEST, CheckpointCorrupt, CheckpointStore, Saver, _versions
+from unbroken.storage.training_state import TrainingState  # offered here as before
 from unbroken.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -60,34 +61,6 @@ class CheckpointMismatch(ConfigError):
     """A checkpoint cannot be loaded into this state: it lacks one of its entries, or holds one
     with another global shape (another model, or other model settings). The group size and the
     number of groups may change; the model may not."""
-
-
-class TrainingState(Stateful):
-    """A model and its optimizer as DCP should see them, torch's recommended way: ``state_dict()``
-    is :func:`~torch.distributed.checkpoint.state_dict.get_state_dict` (keys by parameter name,
-    DTensor shards under FSDP2, the optimizer's own tensors, no copies) and ``load_state_dict``
-    sets the loaded values back with ``set_state_dict``. Put it in the state given to
-    :func:`save_sharded` and :func:`load_sharded`, e.g. ``{"train": TrainingState(model, opt)}``."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if self.optimizer is None:
-            set_model_state_dict(self.model, state_dict["model"])
-        else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
 
 
 class _Group:

@@ -160,7 +160,7 @@ class Checkpointing:
     # -- replica groups: one DCP shard per process, written by one group --------------
 
     def _sharded_state(self) -> dict[str, Any]:
-        from unbroken.storage.sharded_checkpoint import TrainingState
+        from unbroken.storage.training_state import TrainingState
 
         job = self.job
         return {"train": TrainingState(job.model, job.optimizer), **{name: part.state_dict() for name, part in self._parts()}}
