@@ -16,6 +16,8 @@ neighbours (the pairs of every allreduce) before it returns, so that a peer that
 seen by the survivors' sockets at once, as with a full mesh. A full mesh (the default of torch)
 costs every member a read of every other member's record: N^2 store round trips per
 generation, and N-1 sockets per member (docs/guide/scale.md, "Rendezvous").
+The torch groups themselves are made in :mod:`unbroken.worker.torch_groups`, with the backend
+and device of :mod:`unbroken.worker.transport`.
 
 Waits that must tolerate a peer's long deliberate work (a final checkpoint write, reading a
 checkpoint to resume from) use flags in the generation's store instead of a collective: such a
@@ -25,7 +27,6 @@ wait ends when the flag is set or the generation is abandoned, never by a collec
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import threading
 import time
@@ -37,30 +38,8 @@ import torch.distributed as dist
 from unbroken.errors import GenerationFailed
 from unbroken.worker.nccl import abort as abort_nccl
 from unbroken.worker.nccl import nccl_environment, prepare_environment  # noqa: F401 - nccl_environment: its old home
-
-
-class Transport:
-    """Which backend a process's generation groups use, and the device their point-to-point
-    messages and small collectives go through: the CPU for Gloo, the worker's GPU for NCCL.
-    One :class:`~unbroken.worker.runtime.Job` per process sets it (:func:`set_transport`)."""
-
-    def __init__(self, backend: str = "gloo", device: torch.device | str = "cpu") -> None:
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
-        self.backend = backend
-        self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
-
-    def __repr__(self) -> str:
-        return f"Transport({self.backend!r}, {str(self.device)!r})"
-
-
-_transport = Transport()
-
-
-def set_transport(backend: str, device: torch.device | str) -> None:
-    """Set the backend (gloo or nccl) and device of the groups this process builds from now on."""
-    global _transport
-    _transport = Transport(backend, device)
+from unbroken.worker.torch_groups import _connect_ring, _device, _nccl_group
+from unbroken.worker.transport import Transport, current_transport, set_transport  # noqa: F401 - set_transport: its old home
 
 
 NCCL_POLL = 0.001
@@ -70,31 +49,6 @@ LAZY_CONNECT = os.environ.get("UNBROKEN_GLOO_FULL_MESH", "") in ("", "0")
 """Gloo groups connect their pairs on first use (``lazy_init`` of the Gloo device, what
 ``TORCH_GLOO_LAZY_INIT`` sets for torch's own groups) rather than as a full mesh while being
 built. ``UNBROKEN_GLOO_FULL_MESH=1`` in a worker's environment restores the full mesh."""
-
-_WARM_TAG = 0x7E57  # the tag of the messages that connect a member's ring neighbours
-
-
-def _device(store_host: str, lazy: bool = False):
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    if ifname:
-        return dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0], lazy_init=lazy)
-    try:
-        if ipaddress.ip_address(store_host).is_loopback:
-            return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=lazy)
-    except ValueError:
-        if store_host == "localhost":
-            return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=lazy)
-    return dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)
-
-
-def _connect_ring(pg: Any, rank: int, size: int) -> list[Any]:
-    """Start connecting a lazily connecting group's pairs with this member's ring neighbours (the
-    pairs of a Gloo ring allreduce): one small message to the right and one from the left. The
-    caller waits on the works returned."""
-    if size < 2:
-        return []
-    right, left = (rank + 1) % size, (rank - 1) % size
-    return [pg.send([torch.zeros(1)], right, _WARM_TAG), pg.recv([torch.zeros(1)], left, _WARM_TAG)]
 
 
 class GenerationGroup:
@@ -112,7 +66,7 @@ class GenerationGroup:
         blocked: Callable[[str | None], None] = lambda what: None,
         transport: Transport | None = None,
     ) -> None:
-        transport = transport or _transport
+        transport = transport or current_transport()
         self.backend = transport.backend
         self.device = transport.device
         """Where point-to-point messages and small collectives go: CPU (Gloo) or the GPU (NCCL)."""
@@ -381,14 +335,6 @@ class GenerationGroup:
         self.wait(work, what)
         if staged is not tensor:
             tensor.copy_(staged)
-
-
-def _nccl_group(store: dist.Store, rank: int, size: int, timeout: float, device: torch.device) -> Any:
-    """A ``ProcessGroupNCCL`` for one generation, bound to ``device``. CUDA only."""
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = datetime.timedelta(seconds=timeout)
-    torch.cuda.set_device(device)
-    return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
 def _completed(work: Any) -> bool:
