@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from unbroken.errors import ReplicaDivergence
-from unbroken.worker import healing
+from unbroken.worker import healing, state_digests
 from unbroken.worker.stream_link import LinkBroken, StreamLink
 
 Job = Any  # the runtime's Job (not imported: the runtime imports this module)
@@ -323,5 +323,5 @@ def replay(job: Job, index: int, generation: int, grads: list[torch.Tensor | Non
             b.copy_(value)
     job.next_step = index + 1
     job.lineage.append(generation)
-    job._digest = healing.extend_digest(job._digest, generation)
+    job._digest = state_digests.extend_digest(job._digest, generation)
     job.fresh = False

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from unbroken.worker import healing
+from unbroken.worker import state_digests
 from unbroken.errors import ConfigError, GenerationFailed
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class Checkpointing:
         runtime = manifest["runtime"]
         job.next_step, job.lineage = int(runtime["next_step"]), list(runtime["lineage"])
         self._resumed(manifest)
-        job._digest = healing.lineage_digest(job.lineage)
+        job._digest = state_digests.lineage_digest(job.lineage)
         job.fresh = False
         job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
         if job._joiner.heartbeat is not None:

@@ -1,8 +1,8 @@
 """A member's side of healing, right after its generation's group is built (step 2 of the protocol, docs/protocol.md).
 
-The members exchange (next step, fresh, lineage digest); :func:`unbroken.worker.healing.plan` picks the
+The members exchange (next step, fresh, lineage digest); :func:`unbroken.worker.heal_plan.plan` picks the
 source and the receivers, and the state fans out over the new group in rounds
-(:func:`unbroken.worker.healing.rounds`: every member that holds it, receivers once healed included,
+(:func:`unbroken.worker.heal_plan.rounds`: every member that holds it, receivers once healed included,
 sends it to one more member per round; :mod:`unbroken.worker.healing` holds the wire format). If nobody
 holds live state (the start of a job, or every holder died), the group's rank 0 first reads the
 newest checkpoint. Every member then reseeds its RNGs for itself, since healing copied the source's. When no member
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.worker import healing
+from unbroken.worker import heal_plan, healing, state_digests
 from unbroken.worker.randomness import seed_member
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class Healer:
             else:
                 group.wait_flag("resume-read", "waiting for a checkpoint to be read")
             statuses = self._exchange_status(group)
-        plan = healing.plan(statuses)
+        plan = heal_plan.plan(statuses)
         if plan.receivers and all(fresh for _, fresh, _ in statuses) and self._same_fresh_state(group):
             # Every member built its model from the same seed: nothing to copy (the start of a job)
             job.fresh = False
@@ -67,7 +67,7 @@ class Healer:
 
     def _same_fresh_state(self, group: Any) -> bool:
         """Whether every member, none of which holds live state, built bit for bit the same one."""
-        mine = healing.state_digest(self.job._state())
+        mine = state_digests.state_digest(self.job._state())
         table = group.allgather_rows(torch.tensor([mine], dtype=torch.int64), "fresh state comparison")
         return len(set(table.reshape(-1).tolist())) == 1
 
@@ -76,7 +76,7 @@ class Healer:
         state once if behind, then send it on in every later round that names this member."""
         job = self.job
         started = time.monotonic()
-        schedule = healing.rounds(plan, group.size)
+        schedule = heal_plan.rounds(plan, group.size)
         received_from, sent, receivers = None, 0, []
         for pairs in schedule:
             for sender, receiver in pairs:

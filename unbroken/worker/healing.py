@@ -4,7 +4,8 @@ After a generation forms, its members exchange (next step, fresh, lineage digest
 group. The source is the lowest-ranked member at the highest step that holds real state; every
 other member that is behind it, at the same step by another history, or has never been healed
 nor committed (a fresh joiner), receives the full training state point to point over the
-generation's group. No checkpoint is read.
+generation's group. No checkpoint is read. Who sends to whom is decided in
+:mod:`unbroken.worker.heal_plan`; this module moves the state.
 
 The state moves tensor by tensor (:func:`send_state`, :func:`recv_state`): the nested state is
 split into a *skeleton* (its structure and every non-tensor leaf, pickled, with each tensor
@@ -39,7 +40,6 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +47,9 @@ import torch
 
 from unbroken.errors import ConfigError
 from unbroken.worker.group import GenerationGroup
+from unbroken.worker.heal_plan import HealPlan, plan, rounds  # noqa: F401 - offered here as before
+from unbroken.worker.rng_state import rng_state, set_rng_state  # noqa: F401 - offered here as before
+from unbroken.worker.state_digests import extend_digest, lineage_digest, state_digest  # noqa: F401 - offered here as before
 from unbroken.worker.prefault import Prefault as _Prefault
 from unbroken.storage.safe_unpickle import SafeUnpickler, safe_loads
 
@@ -65,136 +68,6 @@ TAG_MANIFEST = 2
 TAG_TENSOR = 3
 TAG_PACK = 4
 _HEADER_BYTES = 4 * 8
-
-
-@dataclass(frozen=True)
-class HealPlan:
-    source: int
-    receivers: tuple[int, ...]
-    step: int
-
-
-def plan(statuses: list[tuple[int, ...]]) -> HealPlan:
-    """Who sends and who receives, from each rank's (next step, fresh[, lineage digest]). Pure.
-
-    The source is the lowest rank at the highest step, preferring real state to fresh. A member
-    receives if it is behind, fresh, or at the same step by another history: a step that some
-    member committed in one generation and the others redid in the next gives results equal only
-    up to rounding, and replicas must be bit-identical.
-    """
-    rows = [(row[0], bool(row[1]), row[2] if len(row) > 2 else 0) for row in statuses]
-    best = max(range(len(rows)), key=lambda r: (rows[r][0], not rows[r][1], -r))
-    top_step, top_fresh, top_digest = rows[best]
-    receivers = tuple(
-        r
-        for r, (step, fresh, digest) in enumerate(rows)
-        if r != best and (step < top_step or fresh or top_fresh or digest != top_digest)
-    )
-    return HealPlan(best, receivers, top_step)
-
-
-def rounds(plan_: HealPlan, size: int) -> list[list[tuple[int, int]]]:
-    """The transfers of ``plan_`` in a group of ``size``, as rounds of (sender, receiver) pairs. Pure.
-
-    The state fans out: every member that holds it (the source, the members at its step with its
-    history, and every receiver once healed) sends it to one receiver per round, so ``R``
-    receivers take about ``log2(R + 1)`` rounds, not ``R`` transfers from one source. Within a
-    round every member sends or receives at most once, and a receiver sends only in rounds after
-    the one that healed it, so the rounds cannot deadlock.
-    """
-    holders = [plan_.source] + [r for r in range(size) if r != plan_.source and r not in plan_.receivers]
-    waiting = list(plan_.receivers)
-    schedule = []
-    while waiting:
-        pairs = list(zip(holders, waiting))
-        waiting = waiting[len(pairs):]
-        holders += [receiver for _, receiver in pairs]
-        schedule.append(pairs)
-    return schedule
-
-
-_DIGEST_MOD = (1 << 61) - 1
-
-
-def extend_digest(digest: int, generation: int) -> int:
-    """The lineage digest after one more step committed in ``generation``."""
-    return (digest * 1_000_003 + generation + 1) % _DIGEST_MOD
-
-
-def lineage_digest(lineage: list[int]) -> int:
-    digest = 0
-    for generation in lineage:
-        digest = extend_digest(digest, generation)
-    return digest
-
-
-_NOT_STATE = ("rng", "checkpoint_schedule")
-"""Keys of a state that :func:`state_digest` leaves out: the RNG states (every member is reseeded
-after a heal) and the checkpoint schedule's history (seconds trained, which no two processes
-count alike)."""
-
-
-def state_digest(state: Any) -> int:
-    """A 63-bit digest of a training state's values (tensors bit for bit, the rest by value),
-    :data:`_NOT_STATE` left out: members whose digests agree hold the same state, so a heal between them
-    would copy nothing (every member is reseeded after a heal anyway)."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=8)
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            h.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
-            if tensor.numel():
-                flat = tensor.cpu().contiguous().reshape(-1)
-                h.update(flat.view(torch.uint8).numpy().data if flat.dtype != torch.bool else flat.numpy().tobytes())
-        elif isinstance(value, dict):
-            h.update(b"D")
-            for key in sorted(value, key=repr):
-                if key not in _NOT_STATE:
-                    h.update(repr(key).encode())
-                    walk(value[key])
-        elif isinstance(value, (list, tuple)):
-            h.update(b"L")
-            for item in value:
-                walk(item)
-        else:
-            h.update(repr(value).encode())
-
-    walk(state)
-    return int.from_bytes(h.digest(), "little") >> 1
-
-
-def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """The RNG states of torch (CPU, and the CUDA device ``device`` when it is one), ``random``
-    and numpy (if imported)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    import sys
-
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    if "numpy" in sys.modules:
-        import numpy
-
-        name, keys, position, has_gauss, cached = numpy.random.get_state()
-        # plain values, so that checkpoints load with torch.load(weights_only=True)
-        state["numpy"] = (str(name), keys.tolist(), int(position), int(has_gauss), float(cached))
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
-    """Put back what :func:`rng_state` took. A CUDA state goes to ``device`` if it is a CUDA
-    device; a state without one (taken on a CPU member) leaves the CUDA RNG as it is."""
-    torch.set_rng_state(state["torch"].cpu())  # a state healed over NCCL may arrive on a GPU
-    random.setstate(state["python"])
-    if state.get("cuda") is not None and device is not None and device.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-    if "numpy" in state:
-        import numpy
-
-        name, keys, position, has_gauss, cached = state["numpy"]
-        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), position, has_gauss, cached))
 
 
 # -- skeleton and tensors ------------------------------------------------------------------------

@@ -36,7 +36,8 @@ import torch
 
 from unbroken.worker import devices
 
-from unbroken.worker import healing
+from unbroken.worker import state_digests
+from unbroken.worker.rng_state import rng_state, set_rng_state
 
 from unbroken.worker import mixed_precision
 from unbroken.worker.chaos import Chaos
@@ -218,7 +219,7 @@ class Job:
         """Where this member stands: no step committed, no generation joined, no live state."""
         self.next_step = 0
         self.lineage: list[int] = []
-        self._digest = 0  # healing.lineage_digest(self.lineage), kept up to date
+        self._digest = 0  # state_digests.lineage_digest(self.lineage), kept up to date
         self.fresh = True
         self.generation = 0
         self.member_index = 0
@@ -585,7 +586,7 @@ class Job:
             "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
             "runtime": {"next_step": self.next_step, "lineage": list(self.lineage), "checkpoint_schedule": self._checkpointing.record()},
             "plan": {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len},
-            "rng": healing.rng_state(self._device),
+            "rng": rng_state(self._device),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
@@ -608,11 +609,11 @@ class Job:
             self.extra_state.load_state_dict(state["extra"])
         self.next_step = state["runtime"]["next_step"]
         self.lineage = list(state["runtime"]["lineage"])
-        self._digest = healing.lineage_digest(self.lineage)
+        self._digest = state_digests.lineage_digest(self.lineage)
         self._checkpointing.adopt(state["runtime"].get("checkpoint_schedule"))  # absent from older states
         if self.scaler is not None and state.get("scaler"):  # absent from older states
             self.scaler.load_state_dict(state["scaler"])
-        healing.set_rng_state(state["rng"], self._device)
+        set_rng_state(state["rng"], self._device)
         if self._joiner.heartbeat is not None:
             self._joiner.heartbeat.step = self.next_step
 
@@ -620,7 +621,7 @@ class Job:
         self.next_step = step.index + 1
         self._checkpointing.last_step_seconds = time.monotonic() - step.started
         self.lineage.append(step.generation)
-        self._digest = healing.extend_digest(self._digest, step.generation)
+        self._digest = state_digests.extend_digest(self._digest, step.generation)
         self.fresh = False
         self._samples.commit(step, self._digest, self._group)
         heartbeat = self._joiner.heartbeat
