@@ -56,6 +56,7 @@ from unbroken.coordinator.settings import CoordinatorSettings  # noqa: F401  (th
 from unbroken.errors import ConfigError
 from unbroken.coordinator.leading import Leading
 from unbroken.coordinator.membership import Membership, MembershipSettings
+from unbroken.coordinator.state_loss import state_loss
 from unbroken.open_files import raise_limit
 from unbroken.observe.events import EventLog
 
@@ -304,19 +305,17 @@ class Coordinator(CoordinatorApi, Leading):
         self._wake_changed()
 
     def _note_state_lost(self, generation: Any) -> None:
-        """Say so when a generation forms behind the job: every member that held the job's
-        newest committed step is gone (killed together, or the last one while it healed the
-        others), so the generation trains from the best state left: a checkpoint's, or the
-        initial one. Its steps after that are committed a second time; the `state_lost` event
-        names them."""
-        best = max((self.state.members[m].step for m in generation.members if m in self.state.members), default=0)
-        known = max(self.state.committed_step(), self.state.holder_step)
-        if best >= known:
+        """Say so when a generation forms behind the job (:mod:`unbroken.coordinator.state_loss`):
+        it trains from the best state left (a checkpoint's, or the initial one, or a newcomer's
+        that caught up part way) and commits the steps after it a second time; the `state_lost`
+        event names them."""
+        loss = state_loss(self.state, generation)
+        if loss is None:
             return
-        message = (f"generation {generation.number} forms at step {best}: every member that held step {known} is gone;"
-                   " it goes on from a checkpoint if there is one, else from the initial state")
+        message = (f"generation {generation.number} forms at step {loss.step}: {loss.reason};"
+                   " it goes on from a checkpoint if there is one, else from the best state left")
         log.warning("%s", message)
-        self.events.emit("state_lost", generation=generation.number, step=best, lost=known)
+        self.events.emit("state_lost", generation=generation.number, step=loss.step, lost=loss.lost, reason=loss.reason)
 
     def _wake_changed(self) -> None:
         """Wake the long polls whose answer may have changed: all of them if the view shared by
