@@ -112,7 +112,8 @@ class CoordinatorApi:
             self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
             self._bump()
         lean = bool(body.get("lean"))
-        deadline = time.monotonic() + self.settings.hold
+        hold = body.get("hold")  # shorter than the coordinator's: a member catching up asks again soon
+        deadline = time.monotonic() + (min(float(hold), self.settings.hold) if isinstance(hold, (int, float)) else self.settings.hold)
         while True:
             current = self.state.current
             member = self.state.members.get(member_id)

@@ -67,3 +67,22 @@ def test_without_a_running_generation_or_a_free_donor_it_waits_as_any_joiner_and
     m.join("n3", "node", pid=3, step=0, now=1.0, catch_up="x:3")  # every member donates already
     assert m.members["n3"].catch_up is None and m.reconfigure_wanted()
     assert not m.join("n1", "node", pid=1, step=0, now=1.5, catch_up="x:1")  # polling again keeps its donor
+
+
+def test_a_join_asks_for_a_shorter_hold_than_the_coordinators_and_gets_its_answer_within_it():
+    # a newcomer catching up polls again soon (it must say when it has caught up): a join held the
+    # coordinator's whole hold (30 s here) would outlast the client's 5 s and fail the test
+    from unbroken.coordinator.client import CoordinatorClient
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+
+    c = Coordinator(CoordinatorSettings(hold=30.0), MembershipSettings(heartbeat_timeout=60.0, expected_members=1)).start_in_thread()
+    try:
+        client = CoordinatorClient(f"127.0.0.1:{c.port}", timeout=5.0)
+        first = client.post("/v1/join", read_timeout=5.0, member="a", node="n", pid=1, step=0, after=0, hold=0.2)
+        assert first["status"] == "formed", first
+        reply = client.post("/v1/join", read_timeout=5.0, member="new", node="n", pid=2, step=0, after=0,
+                            catch_up="127.0.0.1:9", hold=0.2)
+        assert reply["status"] == "wait", reply
+        assert c.state.members["new"].catch_up == "127.0.0.1:9"
+    finally:
+        c.stop()
