@@ -39,6 +39,7 @@ import torch
 from unbroken.errors import ReplicaDivergence
 from unbroken.worker import healing, state_digests
 from unbroken.worker.stream_link import LinkBroken, StreamLink
+from unbroken.worker.warm_state import adopt_parameters
 
 Job = Any  # the runtime's Job (not imported: the runtime imports this module)
 
@@ -251,6 +252,7 @@ class CatchUp:
             state, self.bytes = healing.recv_state(link, 0, into=self.warm)
             if self._stop:
                 raise LinkBroken("a generation formed while the state arrived")
+            adopt_parameters(job.model, state["model"])  # never a replica group (eligible): whole parameters
             job._load(state)
             del state
             job.fresh = False

@@ -20,6 +20,7 @@ import torch
 
 from unbroken.worker import heal_plan, healing, state_digests
 from unbroken.worker.randomness import seed_member
+from unbroken.worker.warm_state import adopt_parameters
 
 if TYPE_CHECKING:
     from unbroken.worker.runtime import Job
@@ -85,6 +86,8 @@ class Healer:
                     # a fresh member's warmed optimizer state holds nothing of value: the heal may land in it
                     warm = job._warm if job.fresh else None
                     state, received = healing.recv_state(group, sender, job._tick, gpu, into=warm)
+                    if job._group is None:  # complete: the received parameters become the model's memory
+                        adopt_parameters(job.model, state["model"])
                     job._load(state)
                     job._warm = None  # now the optimizer's own state (or garbage, if it did not fit)
                     del state

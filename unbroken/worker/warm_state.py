@@ -15,6 +15,11 @@ healed state then puts those same tensors into the optimizer without a copy.
 Only for ``torch.optim.SGD``, ``Adam`` and ``AdamW``, where a zero learning rate and weight decay
 provably leave the parameters as they were; other optimizers are left alone (healed into new
 memory, as before). A member that never needs a heal (the job's start) does not warm up.
+
+The parameters too: tensors like them are allocated and touched next to the model
+(:func:`warm_model`), the heal receives the peer's parameters into them, and once the heal is
+complete they become the parameters' memory (:func:`adopt_parameters`) instead of being copied
+into it. A heal cut part way changes nothing of the model.
 """
 
 from __future__ import annotations
@@ -69,3 +74,40 @@ def warm_optimizer(optimizer: Any) -> dict[Place, torch.Tensor]:
             p.grad = None
         optimizer.state = defaultdict(dict)
     return places
+
+
+def warm_model(model: torch.nn.Module) -> dict[Place, torch.Tensor]:
+    """Allocate and touch, next to the model, one tensor like each of its parameters, by place in
+    the state (``("model", name)``), for a heal to receive the peer's parameters into; the
+    model itself is not changed. :func:`adopt_parameters` then makes them the parameters' memory,
+    so the parameters arrive in warm memory and are never copied."""
+    places: dict[Place, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("model", name) not in places:
+                places[("model", name)] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    return places
+
+
+def adopt_parameters(model: torch.nn.Module, received: dict[str, Any]) -> int:
+    """Make each received parameter tensor (a complete heal's ``state["model"]``: tensors this
+    process owns, nobody else holds) the memory of the model's parameter of that name, instead of
+    copying it there: the Parameter objects stay the same (the optimizer and hooks keep theirs),
+    their old memory is freed, and ``load_state_dict`` then finds nothing to copy. Only where the
+    received tensor fits exactly (shape, dtype, device, contiguous, owning all of its storage);
+    the rest is copied by ``load_state_dict`` as before. Returns the bytes adopted."""
+    adopted = 0
+    owners = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in received.items():
+            p = owners.get(name)
+            if (
+                p is None or not isinstance(tensor, torch.Tensor) or tensor.shape != p.shape or tensor.dtype != p.dtype
+                or tensor.device != p.device or not tensor.is_contiguous() or tensor.storage_offset() != 0
+                or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or tensor.requires_grad
+            ):
+                continue
+            if p.data_ptr() != tensor.data_ptr():
+                p.data = tensor
+                adopted += tensor.numel() * tensor.element_size()
+    return adopted

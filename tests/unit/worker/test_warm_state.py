@@ -8,7 +8,7 @@ import torch
 
 from tests.unit.worker.test_healing import _Link, _assert_same, _sizes
 from unbroken.worker import healing
-from unbroken.worker.warm_state import warm_optimizer
+from unbroken.worker.warm_state import adopt_parameters, warm_model, warm_optimizer
 
 
 def _model() -> torch.nn.Module:
@@ -95,3 +95,50 @@ def test_tensors_that_do_not_fit_the_warm_memory_arrive_in_new_memory():
         back, _ = healing.recv_state(link, 0, into=warm)
     _assert_same(back, state)
     assert back["optimizer"]["state"][0]["exp_avg"] is not warm[("optimizer", "state", 0, "exp_avg")]
+
+
+def test_the_parameters_arrive_in_warm_memory_which_becomes_theirs_without_a_copy_and_training_goes_on_alike():
+    sender_model, newcomer_model = _model(), _model()
+    sender = torch.optim.AdamW(sender_model.parameters(), lr=0.1)
+    sender_model(torch.randn(4, 16)).square().mean().backward()
+    sender.step()
+    state = {"model": sender_model.state_dict(), "optimizer": sender.state_dict()}
+    newcomer = torch.optim.AdamW(newcomer_model.parameters(), lr=0.1)
+    params = list(newcomer_model.parameters())
+    warm = {**warm_optimizer(newcomer), **warm_model(newcomer_model)}
+    assert {("model", n) for n, _ in newcomer_model.named_parameters()} <= warm.keys()
+    before = {n: p.detach().clone() for n, p in newcomer_model.named_parameters()}
+    link = _Link()
+    with _sizes(large=1 << 10, pack=16 << 20, message=16 << 20):
+        healing.send_state(link, state, 1)
+        back, _ = healing.recv_state(link, 0, into=warm)
+    for n, p in newcomer_model.named_parameters():  # received, not yet adopted: the model is as it was
+        assert torch.equal(p, before[n])
+    large = [n for n, p in newcomer_model.named_parameters() if p.numel() * p.element_size() >= 1 << 10]
+    assert large and all(back["model"][n] is warm[("model", n)] for n in large)
+    adopted = adopt_parameters(newcomer_model, back["model"])
+    assert adopted >= sum(p.numel() * p.element_size() for n, p in newcomer_model.named_parameters() if n in large)
+    assert list(newcomer_model.parameters()) == params  # the same Parameter objects: the optimizer keeps them
+    assert all(p.data_ptr() == warm[("model", n)].data_ptr() for n, p in newcomer_model.named_parameters() if n in large)
+    newcomer_model.load_state_dict(back["model"])
+    newcomer.load_state_dict(back["optimizer"])
+    _assert_same(newcomer_model.state_dict(), sender_model.state_dict())
+    x = torch.randn(8, 16)
+    for model, optimizer in ((sender_model, sender), (newcomer_model, newcomer)):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    _assert_same(newcomer_model.state_dict(), sender_model.state_dict())
+
+
+def test_only_received_tensors_that_fit_exactly_are_adopted_and_tied_parameters_stay_tied():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as a language model's input and output embeddings
+    weight = model[0].weight
+    received = {"0.weight": torch.ones(10, 4), "1.weight": torch.ones(10, 4)}
+    assert adopt_parameters(model, received) > 0
+    assert model[0].weight is weight and model[1].weight is weight and torch.equal(weight, torch.ones(10, 4))
+    other = {"0.weight": torch.ones(10, 4, dtype=torch.float64), "1.weight": torch.ones(80)[:10 * 4].view(10, 4)}
+    pointer = weight.data_ptr()
+    assert adopt_parameters(model, other) == 0  # another dtype; a view of a larger storage
+    assert weight.data_ptr() == pointer
