@@ -5,8 +5,10 @@
 Two processes on this machine, one Gloo group over 127.0.0.1, one thread each. Measures:
 (a) ``send_state``/``recv_state`` of the full training state {model, optimizer, rng}, from the
 start of the send to the state complete on the receiver, into new memory; (a') the same into a
-newcomer as unbroken heals one: its own model built and its optimizer state warmed before it
-joined (:mod:`unbroken.worker.warm_state`), so that most of the state lands in warm memory; (b) a plain Gloo broadcast of the same
+newcomer as unbroken heals one: its own model built, its optimizer state and tensors like its
+parameters warmed before it joined (:mod:`unbroken.worker.warm_state`), so that the state lands
+in warm memory, timed until it is loaded into the newcomer's model and optimizer (the received
+parameters become the model's memory); (b) a plain Gloo broadcast of the same
 number of bytes as one uint8 tensor (the link limit), into a buffer the receiver already uses
 and into one it allocates for the purpose, as ``recv_state`` must; (c) a memory copy of those
 bytes in one process, the same two ways; (d) for reference, the former way: ``torch.save`` of the
@@ -46,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 
 from unbroken.worker import healing  # noqa: E402
 from unbroken.worker.group import GenerationGroup  # noqa: E402
-from unbroken.worker.warm_state import warm_optimizer  # noqa: E402
+from unbroken.worker.warm_state import adopt_parameters, warm_model, warm_optimizer  # noqa: E402
 
 GROUP_TIMEOUT = 600.0  # the receiver waits in a barrier while the sender measures (d) alone
 
@@ -113,18 +115,23 @@ def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
         row["heal_s"] = time.perf_counter() - t
         if rank == 1:
             del received
-        # (a') the same into a newcomer that warmed its optimizer state before joining (its own
-        # model built, as a started process has it): the optimizer state lands in warm memory
+        # (a') the same into a newcomer that warmed its optimizer state and tensors like its
+        # parameters before joining (its own model built, as a started process has it): the state
+        # lands in warm memory, and the time runs until it is loaded into the newcomer's model and
+        # optimizer (the received parameters become the model's memory: no copy)
         warm = None
         if rank == 1:
             newcomer, newcomer_optimizer, _ = build_fresh(params)
-            warm = warm_optimizer(newcomer_optimizer)
+            warm = {**warm_optimizer(newcomer_optimizer), **warm_model(newcomer)}
         barrier()
         t = time.perf_counter()
         if rank == 0:
             healing.send_state(group, state, 1)
         else:
             received, _ = healing.recv_state(group, 0, into=warm)
+            adopt_parameters(newcomer, received["model"])
+            newcomer.load_state_dict(received["model"])
+            newcomer_optimizer.load_state_dict(received["optimizer"])
         row["heal_warm_s"] = time.perf_counter() - t
         if rank == 1:
             del received, warm, newcomer, newcomer_optimizer
@@ -236,7 +243,7 @@ def main() -> int:
         print(f"| {label} | {med[key]:.3f} ({low[key]:.3f}–{high[key]:.3f}) | {gb / med[key]:.2f} | {med[key] / link:.2f} |")
 
     line("(a) `send_state` → `recv_state`, full state, into new memory", "heal_s")
-    line("(a') the same into a newcomer whose optimizer state was warmed before it joined (unbroken's path)", "heal_warm_s")
+    line("(a') the same into a newcomer whose state was warmed before it joined, loaded (unbroken's path)", "heal_warm_s")
     line("(b) Gloo broadcast, same bytes, into a buffer the receiver already uses (link limit)", "bcast_warm_s")
     line("(b') Gloo broadcast, same bytes, into a buffer the receiver allocates", "bcast_fresh_s")
     line("(c) memory copy, one process, into a buffer in use", "memcpy_warm_s")
