@@ -189,3 +189,9 @@ def decide(
     if settings.max_members is not None:
         order = order[: settings.max_members]
     return Decision(True, tuple(order), reason=f"{len(order)} member(s) ready")
+
+
+def _counts_blocked(member: Member) -> int:
+    """1 if ``member`` counts in :attr:`Membership._blocked_active` (ACTIVE, waiting in a
+    collective), else 0: every change of its state or wait adds the difference."""
+    return int(member.state is MemberState.ACTIVE and bool(member.blocked_on))

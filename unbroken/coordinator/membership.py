@@ -19,6 +19,10 @@ That generation broke too, and healing reconciles whatever some of them committe
 Everything here is plain state and pure decisions, driven by an explicit ``now`` (the
 coordinator's ``time.monotonic()``); the coordinator does the I/O.
 
+The members' requests as state changes (join, heartbeat, failure, verdict, leave) are
+:mod:`unbroken.coordinator.member_requests`'s, and expiry and the watchdog
+:mod:`unbroken.coordinator.liveness`'s: mixins of :class:`Membership`, on its state.
+
 Costs, for jobs of thousands of members (docs/guide/scale.md): a heartbeat, a join, a verdict and
 every view are O(1): the counts of members per state are kept as states change, never recounted;
 heartbeat deadlines are a heap with one entry per live member, re-armed lazily when it comes due
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.coordinator.liveness import Liveness
+from unbroken.coordinator.member_requests import MemberRequests
 from unbroken.store_keys import key_tag
 from unbroken.coordinator.member_records import (  # noqa: F401  (re-exported: the records and the rule live there)
     _LIVE,
@@ -53,19 +58,13 @@ from unbroken.coordinator.member_records import (  # noqa: F401  (re-exported: t
     Member,
     MembershipSettings,
     MemberState,
+    _counts_blocked,
     decide,
 )
 
 
-
-def _counts_blocked(member: Member) -> int:
-    """1 if ``member`` counts in :attr:`Membership._blocked_active` (ACTIVE, waiting in a
-    collective), else 0: every change of its state or wait adds the difference."""
-    return int(member.state is MemberState.ACTIVE and bool(member.blocked_on))
-
-
 @dataclass
-class Membership(Liveness):
+class Membership(Liveness, MemberRequests):
     """The coordinator's state. Every mutating method returns True when the state changed.
 
     Member states change only through this class (:meth:`_enter`), which keeps the counts per
@@ -200,125 +199,6 @@ class Membership(Liveness):
     def count(self, state: MemberState) -> int:
         """How many members are in ``state``. O(1)."""
         return self._counts[state]
-
-    # -- member requests ---------------------------------------------------------------------
-
-    def join(self, member_id: str, node: str, pid: int | None, step: int, now: float, warm: bool = True,
-             catch_up: str | None = None) -> bool:
-        if self.first_wait is None:
-            self.first_wait = now
-        self._max_step = max(self._max_step, step)
-        member = self.members.get(member_id)
-        if member is None:
-            self._add(Member(member_id, node, joined_at=now, last_heartbeat=now, pid=pid, step=step, waiting_since=now, warm=warm))
-            self._note_wait(now, member_id, "waiting")
-            self._catch_up(self.members[member_id], catch_up)
-            return True
-        member.warm = warm
-        self._taken.discard(member_id)
-        if member.state is MemberState.WAITING:
-            member.last_heartbeat = now
-            return self._catch_up(member, catch_up)
-        member.fenced = False
-        member.waiting_since = now
-        member.last_heartbeat = now
-        member.step = step
-        member.death_reason = None
-        self._enter(member, MemberState.WAITING, now)
-        self._note_wait(now, member_id, "waiting")
-        return True
-
-    def heartbeat(
-        self,
-        member_id: str,
-        step: int | None,
-        now: float,
-        blocked_on: str | None = None,
-        progress: int | None = None,
-        busy: str | None = None,
-        warm: bool | None = None,
-        pace: dict[str, Any] | None = None,
-    ) -> Member | None:
-        member = self.members.get(member_id)
-        if member is None:
-            return None
-        if member.state in (MemberState.WAITING, MemberState.ACTIVE):
-            member.last_heartbeat = now
-            if step is not None:
-                member.step = max(member.step, step)
-                self._max_step = max(self._max_step, step)
-            if blocked_on != member.blocked_on:
-                self._blocked_active -= _counts_blocked(member)
-                member.blocked_on = blocked_on
-                self._blocked_active += _counts_blocked(member)
-                member.blocked_since = now if blocked_on else None
-                if blocked_on:
-                    self._note_wait(now, member_id, "blocked")
-            if progress is not None and progress != member.progress:
-                member.progress = progress
-                member.progress_at = now
-            if busy != member.busy:
-                # A mark that starts or ends restarts the progress clock: the work it covered is
-                # never counted as time without progress (the next micro-batch may be seconds away).
-                member.progress_at = now
-                member.busy_since = now if busy else None
-                if busy:
-                    self._busy[member_id] = now
-                else:
-                    self._busy.pop(member_id, None)
-            member.busy = busy
-            if warm is not None:
-                member.warm = warm
-            if pace is not None:
-                _take_pace(member, pace)
-        return member
-
-    def report_failure(self, member_id: str, generation: int, now: float) -> bool:
-        """A member saw a collective of ``generation`` fail: that generation is over."""
-        if self.current is None or generation != self.current.number:
-            return False
-        if self.generation_state is GenerationState.BROKEN:
-            return False
-        self._break(now)
-        return True
-
-    def mark_dead(self, member_id: str, reason: str, now: float) -> bool:
-        member = self.members.get(member_id)
-        if member is None:
-            # Died before it ever joined: remember it so that a late join is not mistaken for life.
-            self._add(
-                Member(
-                    member_id, "", joined_at=now, last_heartbeat=now, state=MemberState.DEAD, death_reason=reason, ended_at=now
-                )
-            )
-            return False
-        if member.state in (MemberState.DEAD, MemberState.LEFT):
-            return False
-        member.death_reason = reason
-        self._enter(member, MemberState.DEAD, now)
-        if self.current is not None and member_id in self.current.ranks:
-            self._break(now)
-            self._verdict_pending = True
-        return True
-
-    def leave(self, member_id: str, finished: bool, step: int, now: float) -> bool:
-        member = self.members.get(member_id)
-        changed = False
-        if member is not None and member.state is not MemberState.LEFT:
-            was_live = member.state in (MemberState.WAITING, MemberState.ACTIVE)
-            member.step = max(member.step, step)
-            self._max_step = max(self._max_step, step)
-            self._enter(member, MemberState.LEFT, now)
-            changed = True
-            in_current = self.current is not None and member_id in self.current.ranks
-            if was_live and in_current and not finished:
-                self._break(now)
-                self._verdict_pending = True
-        if finished and not self.finished:
-            self.finished = True
-            self.version += 1
-            changed = True
-        return changed
 
     # -- time and decisions --------------------------------------------------------------------
 
@@ -513,14 +393,3 @@ class Membership(Liveness):
         if newcomer is None or newcomer not in self.members:
             return {}
         return {"donate": {"member": newcomer, "address": self.members[newcomer].catch_up}}
-
-
-def _take_pace(member: Member, pace: dict[str, Any]) -> None:
-    """Keep what a member's heartbeat says of its pace; values of the wrong type are ignored."""
-    relative, exchange = pace.get("pace"), pace.get("exchange_seconds")
-    if isinstance(relative, (int, float)) and not isinstance(relative, bool) and relative >= 0:
-        member.pace = float(relative)
-    if isinstance(exchange, (int, float)) and not isinstance(exchange, bool) and exchange >= 0:
-        member.exchange_seconds = float(exchange)
-    if isinstance(pace.get("straggler"), bool):
-        member.straggler = pace["straggler"]
