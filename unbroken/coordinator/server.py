@@ -35,9 +35,10 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
 ==========================  ======================================================================
 
 This module holds :class:`Coordinator`'s lifecycle (the store, the HTTP server, the thread it
-runs on) and its state changes (forming generations, waking long polls, the deadlines). The
-request handlers are :mod:`unbroken.coordinator.api`; a replicated candidate's leadership rounds
-are :mod:`unbroken.coordinator.leading`.
+runs on) and its state changes (forming generations, the deadlines). The request handlers are
+:mod:`unbroken.coordinator.api`; waiting for a change and waking the long polls it concerns,
+:mod:`unbroken.coordinator.long_polls`; a replicated candidate's leadership rounds are
+:mod:`unbroken.coordinator.leading`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from unbroken.coordinator.api import CoordinatorApi
 from unbroken.coordinator.settings import CoordinatorSettings  # noqa: F401  (the coordinator's settings, named here too)
 from unbroken.errors import ConfigError
 from unbroken.coordinator.leading import Leading
+from unbroken.coordinator.long_polls import LongPolls
 from unbroken.coordinator.membership import Membership, MembershipSettings
 from unbroken.coordinator.state_loss import state_loss
 from unbroken.open_files import raise_limit
@@ -86,7 +88,7 @@ def collect_less_often() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-class Coordinator(CoordinatorApi, Leading):
+class Coordinator(CoordinatorApi, Leading, LongPolls):
     """Serves the membership API and hosts the TCPStore. Start with :meth:`start_in_thread`
     (embedded) or :meth:`serve_forever` (standalone)."""
 
@@ -317,63 +319,6 @@ class Coordinator(CoordinatorApi, Leading):
         log.warning("%s", message)
         self.events.emit("state_lost", generation=generation.number, step=loss.step, lost=loss.lost, reason=loss.reason)
 
-    def _wake_changed(self) -> None:
-        """Wake the long polls whose answer may have changed: all of them if the view shared by
-        every member changed (one wake-up each, however many changes came together), else only
-        those of the members whose own state changed. O(woken polls), never O(N) per change."""
-        shared = (self.state.shared_view(), self._durable, self._serving(), self.incarnation, id(self.state))
-        changed = self.state.changed_members
-        if shared != self._shared:
-            self._shared = shared
-            changed.clear()
-            self._wake_all()
-            return
-        while changed:
-            waiters = self._waiters.pop(changed.pop(), None)
-            if waiters:
-                self._to_wake.extend(waiters)
-        self._schedule_wakes()
-
-    def _wake_all(self) -> None:
-        """Wake every long poll, so that each recomputes its answer."""
-        waiters, self._waiters = self._waiters, {}
-        for group in waiters.values():
-            self._to_wake.extend(group)
-        self._schedule_wakes()
-
-    def _schedule_wakes(self) -> None:
-        if self._to_wake and not self._waking:
-            self._waking = True
-            asyncio.get_running_loop().call_soon(self._wake_some)
-
-    def _wake_some(self) -> None:
-        """Wake up to ``wake_batch`` polls, then let the loop read new requests before the next
-        batch: thousands of polls answered at once would otherwise hold the loop for as long as all
-        their handlers take, and a heartbeat that arrives meanwhile would wait for all of them."""
-        for _ in range(min(self.settings.wake_batch, len(self._to_wake))):
-            waiter = self._to_wake.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-        if self._to_wake:
-            asyncio.get_running_loop().call_soon(self._wake_some)
-        else:
-            self._waking = False
-
-    async def _wait_change(self, timeout: float, member_id: str = "") -> None:
-        """Wait until a change concerns ``member_id`` (see :meth:`_wake_changed`), or ``timeout``."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        group = self._waiters.setdefault(member_id, set())
-        group.add(waiter)
-        timer = loop.call_later(max(timeout, 0.0), _resolve, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            group.discard(waiter)
-            if not group and self._waiters.get(member_id) is group:
-                del self._waiters[member_id]
-
     async def _watch_deadlines(self) -> None:
         swept = previous = time.monotonic()
         excused_until = 0.0
@@ -414,8 +359,3 @@ class Coordinator(CoordinatorApi, Leading):
                 log.error("job failed: %s", self.state.failed)
                 self.events.emit("job_failed", reason=self.state.failed)
                 self._record_outcome_once()
-
-
-def _resolve(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)

@@ -1,0 +1,92 @@
+"""The coordinator's long polls, for :class:`~unbroken.coordinator.server.Coordinator`: a ``join`` or
+``heartbeat`` waits until a change concerns its member (:meth:`LongPolls._wait_change`), and a
+change wakes only the polls whose answer may have changed, in batches of ``wake_batch`` per turn
+of the event loop. A mixin: the waiters and the state it reads are the coordinator's (set up in
+its ``__init__``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from unbroken.coordinator.membership import Membership
+    from unbroken.coordinator.settings import CoordinatorSettings
+
+
+class LongPolls:
+    """Waiting for a change and waking the polls it concerns; see :meth:`_wake_changed`."""
+
+    settings: CoordinatorSettings
+    state: Membership
+    incarnation: str
+    _durable: int
+    _waiters: dict[str, set[asyncio.Future]]
+    _to_wake: collections.deque[asyncio.Future]
+    _waking: bool
+    _shared: tuple[Any, ...] | None
+    _serving: Callable[[], bool]
+
+    def _wake_changed(self) -> None:
+        """Wake the long polls whose answer may have changed: all of them if the view shared by
+        every member changed (one wake-up each, however many changes came together), else only
+        those of the members whose own state changed. O(woken polls), never O(N) per change."""
+        shared = (self.state.shared_view(), self._durable, self._serving(), self.incarnation, id(self.state))
+        changed = self.state.changed_members
+        if shared != self._shared:
+            self._shared = shared
+            changed.clear()
+            self._wake_all()
+            return
+        while changed:
+            waiters = self._waiters.pop(changed.pop(), None)
+            if waiters:
+                self._to_wake.extend(waiters)
+        self._schedule_wakes()
+
+    def _wake_all(self) -> None:
+        """Wake every long poll, so that each recomputes its answer."""
+        waiters, self._waiters = self._waiters, {}
+        for group in waiters.values():
+            self._to_wake.extend(group)
+        self._schedule_wakes()
+
+    def _schedule_wakes(self) -> None:
+        if self._to_wake and not self._waking:
+            self._waking = True
+            asyncio.get_running_loop().call_soon(self._wake_some)
+
+    def _wake_some(self) -> None:
+        """Wake up to ``wake_batch`` polls, then let the loop read new requests before the next
+        batch: thousands of polls answered at once would otherwise hold the loop for as long as all
+        their handlers take, and a heartbeat that arrives meanwhile would wait for all of them."""
+        for _ in range(min(self.settings.wake_batch, len(self._to_wake))):
+            waiter = self._to_wake.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+        if self._to_wake:
+            asyncio.get_running_loop().call_soon(self._wake_some)
+        else:
+            self._waking = False
+
+    async def _wait_change(self, timeout: float, member_id: str = "") -> None:
+        """Wait until a change concerns ``member_id`` (see :meth:`_wake_changed`), or ``timeout``."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        group = self._waiters.setdefault(member_id, set())
+        group.add(waiter)
+        timer = loop.call_later(max(timeout, 0.0), _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            group.discard(waiter)
+            if not group and self._waiters.get(member_id) is group:
+                del self._waiters[member_id]
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
