@@ -24,7 +24,7 @@ MAY_IMPORT = {
 }
 LONGEST = 400
 TOO_LONG_FOR_NOW = {
-    "worker/runtime.py", "worker/joining.py",
+    "worker/runtime.py",
 }
 """Modules still above ``LONGEST`` lines, to be split; the list may only shrink."""
 

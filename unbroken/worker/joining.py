@@ -9,27 +9,32 @@ re-formed (:meth:`Joiner.close_group`) or the job ends (:meth:`Joiner.leave`). B
 :meth:`Joiner.abandon_reason` says whether the generation still holds: no reply within the lease,
 a verdict, a newer generation or a restarted coordinator each end it (step 1 of the protocol, "No stale
 writes").
+
+Its parts of their own: whether the generation holds (:mod:`unbroken.worker.generation_lease`), what a
+join carries and what its answer means (:mod:`unbroken.worker.join_request`), the pieces a generation's
+group is formed from (:mod:`unbroken.worker.generation_forming`), and what a newcomer to a running job
+does before it joins (:mod:`unbroken.worker.newcomer`). This module keeps the joiner's state and the
+order of things: the coordinator link, the join loop, the replica group's relay path, and leaving.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
-
 from unbroken.observe import leader_mark, refusal_mark
 from unbroken.errors import EXIT_MISMATCH, EXIT_RESTART_FRESH, GenerationFailed, Unauthorized, UnbrokenError
+from unbroken.worker import generation_lease, join_request, newcomer
+from unbroken.worker.generation_forming import (
+    StoreConnection, agree_after_healing, agree_before_healing, generation_group, store_prefix, unmendable_message,
+)
 from unbroken.worker.lifetime import ExitGuard, die_with_launcher
-from unbroken.open_files import raise_limit
 
 if TYPE_CHECKING:
     from unbroken.worker.runtime import Job
@@ -55,8 +60,7 @@ class Joiner:
         self.wake = threading.Event()
         self.client: Any = None
         self.heartbeat: Any = None
-        self._store: Any = None
-        self._store_address: tuple[str, int] | None = None
+        self._store_connection = StoreConnection()
         self._incarnation: str | None = None  # of the coordinator that formed the current generation
         self._preflight_cache: dict[str, Any] | None = None
         self._relayed = 0  # seq of the last generation process 0 of this replica group relayed
@@ -135,45 +139,12 @@ class Joiner:
 
     def preflight(self) -> dict[str, Any]:
         """What every member must agree on, or the collectives mismatch (a livelock, or the wrong
-        parameters summed together): sent with every join, compared by the coordinator."""
+        parameters summed together): sent with every join, compared by the coordinator
+        (:func:`~unbroken.worker.join_request.preflight`); taken once."""
         if self._preflight_cache is None:
-            from unbroken.version import __version__
-
             job = self.job
-            script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-            try:
-                with open(script, "rb") as f:
-                    script_hash = hashlib.sha256(f.read()).hexdigest()[:16]
-            except OSError:
-                script_hash = "-"
-            layout = [] if job._reducer is None else [
-                f"{b.flat.dtype}x{b.numel}/{len(b.params)}" for b in job._reducer.buckets
-            ]
-            self._preflight_cache = {
-                "gradient buckets": hashlib.sha256(";".join(layout).encode()).hexdigest()[:16] + f" ({len(layout)} buckets)",
-                "bucket_cap_mb": str(job.settings.bucket_cap_mb),
-                "verify_every": str(job.settings.verify_every),
-                "stragglers": job.settings.stragglers,
-                "total steps": str(job.total),
-                "data plan": (
-                    f"dataset {job.plan.dataset_len}, global batch {job.plan.global_batch_size},"
-                    f" micro-batch {job.plan.micro_batch_size}, seed {job.plan.seed}"
-                ),
-                **self._group_preflight(),
-                "torch": torch.__version__,
-                "unbroken": __version__,
-                "script": f"{os.path.basename(script)} sha256 {script_hash}",
-            }
+            self._preflight_cache = join_request.preflight(job.settings, job._reducer, job.total, job.plan, job._group, job.model)
         return self._preflight_cache
-
-    def _group_preflight(self) -> dict[str, str]:
-        """A replica group's size and sharding: every group must match (same shard at index j)."""
-        group = self.job._group
-        if group is None:
-            return {}
-        from unbroken.replica_groups.sharding import sharding_fingerprint
-
-        return {"group size": str(group.size), "sharding": sharding_fingerprint(self.job.model)}
 
     # -- whether the generation holds ----------------------------------------------------------
 
@@ -182,61 +153,27 @@ class Joiner:
         return bool(view.get("reconfigure")) and view.get("generation") == self.job.generation
 
     def _silence(self) -> float:
-        """Seconds since the sending of the newest heartbeat (or join) whose reply this member has
-        taken in (0 in processes 1..K-1 of a replica group, whose watchdog judges process 0's
-        silence). Other answered requests (a roster's) renew nothing: their replies carry no
-        verdict, and a lease renewed without the news would let a stale view commit."""
-        if self.heartbeat is None:
-            return 0.0
-        return time.monotonic() - max(self.heartbeat.answered, self._join_answered)
+        """Seconds since the newest answered heartbeat or join was sent (:func:`~unbroken.worker.generation_lease.silence`)."""
+        return generation_lease.silence(self.heartbeat, self._join_answered)
 
     def abandon_reason(self, number: int, for_commit: bool = False) -> str | None:
-        """Why generation ``number`` no longer holds for this member, or None if it does.
-
-        A lease that ran out forbids a commit (``for_commit``) but ends the generation only
-        ``coordinator_grace`` later: a stalled coordinator has declared nobody dead meanwhile,
-        and a member that was declared dead hears so as soon as the coordinator answers."""
+        """Why generation ``number`` no longer holds for this member, or None if it does
+        (:func:`~unbroken.worker.generation_lease.abandon_reason`: the lease, its grace, the view's verdicts)."""
         settings = self.job.settings
         silent = self._silence()  # before the view: a lease this fresh comes with a view at least as new
         view = self.view
-        if silent > settings.lease + settings.coordinator_grace or (for_commit and silent > settings.lease):
-            return f"no reply from the coordinator for {silent:.1f} s (lease {settings.lease:.1f} s)"
-        if view.get("state") == "dead":
-            return "the coordinator declared this member dead"
-        # A restarted coordinator (or a new leader) has another incarnation and does not know
-        # this member. An "unknown" from the incarnation that formed this generation only means a
-        # heartbeat sent before this member joined was answered late: not a reason to leave.
-        incarnation = view.get("incarnation")
-        if self._incarnation is not None and incarnation is not None and incarnation != self._incarnation:
-            return f"the coordinator restarted (incarnation {incarnation}; generation {number} was formed by {self._incarnation})"
-        current = view.get("generation", 0)
-        if current > number:
-            return f"generation {current} has formed"
-        if current == number and view.get("broken") and not for_commit:
-            return "a member of this generation failed"
-        return None
+        return generation_lease.abandon_reason(number, silent, view, self._incarnation, settings.lease,
+                                               settings.coordinator_grace, for_commit)
 
     def commit_reason(self, number: int) -> str | None:
         """Why this member must not commit its step in generation ``number``, or None.
 
         While its lease has run out but not its grace, the member holds the step and waits for
-        the coordinator to answer a newer request: a coordinator that stalled for a second or two
-        costs a pause here, not a re-formation of the whole job."""
+        the coordinator to answer a newer request (:func:`~unbroken.worker.generation_lease.hold_commit`):
+        a coordinator that stalled for a second or two costs a pause here, not a re-formation of the whole job."""
         settings = self.job.settings
-        held = None
-        while True:
-            silent = self._silence()
-            if silent <= settings.lease or silent > settings.lease + settings.coordinator_grace:
-                break
-            if self.abandon_reason(number) is not None:
-                break
-            if held is None:
-                held = time.monotonic()
-                log.warning("%s: no reply from the coordinator for %.1f s: holding step %d until it answers",
-                            self.job.member_id, silent, self.job.next_step)
-            time.sleep(0.01)
-        if held is not None and self._silence() <= settings.lease:
-            log.warning("%s: the coordinator answered again after %.2f s; committing", self.job.member_id, time.monotonic() - held)
+        generation_lease.hold_commit(self._silence, lambda: self.abandon_reason(number), settings.lease,
+                                     settings.coordinator_grace, self.job.member_id, self.job.next_step)
         return self.abandon_reason(number, for_commit=True)
 
     # -- joining -------------------------------------------------------------------------------
@@ -274,24 +211,12 @@ class Joiner:
 
     def _warm_before_joining(self, group: Any) -> None:
         """A fresh process joining a running job: allocate and touch its optimizer state now, while
-        the others still train, so that its heal lands in warm memory (:mod:`unbroken.worker.warm_state`).
+        the others still train, so that its heal lands in warm memory (:mod:`unbroken.worker.newcomer`).
         Not at the job's start (no heal comes), nor in a replica group (sharded state)."""
         job = self.job
         if not job.fresh or job._warm is not None or group is not None or self.heartbeat is None:
             return
-        deadline = time.monotonic() + 1.0  # the heartbeat's first reply comes at once
-        while not self.heartbeat.view and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if self.heartbeat.view.get("generation", 0) <= 0 or self.heartbeat.view.get("finished"):
-            return
-        from unbroken.worker.warm_state import warm_optimizer
-
-        started = time.monotonic()
-        with self.busy("warming the optimizer state"):
-            job._warm = warm_optimizer(job.optimizer)
-        if job._warm:
-            log.info("%s: optimizer state warmed for the heal in %.2f s (%d tensors)", job.member_id,
-                     time.monotonic() - started, len(job._warm))
+        job._warm = newcomer.warm_before_joining(self.heartbeat, job.optimizer, self.busy, job.member_id)
 
     def _relay(self, reply: dict[str, Any]) -> dict[str, Any]:
         """Process 0 of a replica group: pass a generation (or the job's end) on to the group."""
@@ -314,32 +239,11 @@ class Joiner:
 
     def _formed_without_joining(self) -> dict[str, Any] | None:
         """The join reply this member would get, when its heartbeat already told it that the
-        coordinator formed it into a newer generation (it was waiting in a collective of the one a
-        verdict broke: ``Membership.take_survivors``); None when it must ask. A view that is stale
-        by the time the group is built only costs a failed formation and a join."""
-        view = self.view
-        number = view.get("generation", 0)
-        if (
-            self._store_address is None
-            or self._incarnation is None
-            or view.get("incarnation") != self._incarnation
-            or view.get("state") != "active"
-            or view.get("broken")
-            or view.get("rank") is None
-            or number <= max(self.job.generation, self.job._generation_floor)
-        ):
-            return None
-        host, port = self._store_address
-        return {
-            "status": "formed",
-            "incarnation": self._incarnation,
-            "generation": number,
-            "size": view["size"],
-            "rank": view["rank"],
-            "prefix": view["prefix"],
-            "store_host": host,
-            "store_port": port,
-        }
+        coordinator formed it into a newer generation (:func:`~unbroken.worker.join_request.formed_from_view`);
+        None when it must ask. A view that is stale by the time the group is built only costs a
+        failed formation and a join."""
+        after = max(self.job.generation, self.job._generation_floor)
+        return join_request.formed_from_view(self.view, self._store_connection.address, self._incarnation, after)
 
     def _start_catch_up(self, group: Any) -> Any:
         """A fresh process joining a running job: open a port for a donor and catch up from it
@@ -349,31 +253,16 @@ class Joiner:
         job = self.job
         if not job.fresh or group is not None or self.heartbeat is None or not eligible(job):
             return None
-        if self.heartbeat.view.get("generation", 0) <= 0 or self.heartbeat.view.get("finished"):
-            return None
-        try:
-            return CatchUp(job, _local_address(job.settings.coordinator), job._warm)
-        except OSError as exc:
-            log.info("%s: cannot open a port to catch up (%s); healed as usual", job.member_id, exc)
-            return None
+        return newcomer.start_catch_up(lambda address: CatchUp(job, address, job._warm), self.heartbeat,
+                                       job.settings.coordinator, job.member_id)
 
     def _ask_to_join(self, catch_up: str | None = None) -> dict[str, Any]:
         job = self.job
         sent = time.monotonic()
         try:
-            reply = self.client.post(
-                "/v1/join",
-                read_timeout=30.0,
-                member=job.member_id,
-                node=job.settings.node,
-                pid=os.getpid(),
-                step=job.next_step,
-                after=max(job.generation, job._generation_floor),
-                warm=bool(self.heartbeat.warm),
-                preflight=self.preflight(),
-                **({"catch_up": catch_up} if catch_up else {}),
-                lean=True,  # no member list in the reply: a Roster fetches ids if they are needed
-            )
+            reply = join_request.ask_to_join(self.client, job.member_id, job.settings.node, job.next_step,
+                                             max(job.generation, job._generation_floor), bool(self.heartbeat.warm),
+                                             self.preflight(), catch_up)
         except Unauthorized as exc:
             self._refused(f"unbroken: error: {job.member_id}: {exc}", EXIT_MISMATCH)
         # The join's reply is the new generation's first view: the lease of the generation it forms
@@ -395,59 +284,31 @@ class Joiner:
 
     def _refuse_on(self, reply: dict[str, Any]) -> None:
         """End here if the coordinator will not take this member (or the job cannot go on)."""
-        member_id = self.job.member_id
-        if reply["status"] == "failed":
-            raise UnbrokenError(f"the job cannot go on: {reply.get('reason')}")
-        if reply["status"] == "mismatch":
-            self._refused(
-                f"unbroken: error: {member_id} does not match the job, so the coordinator refused it:"
-                f" {reply.get('reason')}. Run every node with the same script, settings and versions.",
-                EXIT_MISMATCH,
-            )
-        if reply["status"] == "refused":
-            self._refused(f"unbroken: {member_id}: the coordinator refuses this member: {reply.get('reason')}", 1)
+        refused = join_request.refusal(reply, self.job.member_id)
+        if refused is not None:
+            self._refused(*refused)
 
     def _form(self, reply: dict[str, Any]) -> bool:
         """Build the group of the generation that ``reply`` announces and heal it; False (after
         reporting the failure) if that generation broke meanwhile."""
-        from unbroken.worker.group import LAZY_CONNECT, GenerationGroup
-
         job = self.job
         number = reply["generation"]
         job.generation = number
         self._incarnation = reply.get("incarnation")
-        prefix = reply["prefix"]
-        if job._group is not None:
-            prefix = f"{prefix}/shard{job._group.rank}"  # process j reduces and heals shard j
-        if "members" in reply:  # a coordinator that sends the whole list
-            members: Any = reply["members"]
-        elif self.client is None:  # processes 1..K-1 of a replica group: names only for messages
-            members = [f"rank{i}" for i in range(int(reply["size"]))]
-        else:
-            from unbroken.coordinator.roster import Roster
-
-            members = Roster(self.client, number, int(reply["size"]), job.member_id, reply["rank"])
-        # A lazily connected Gloo group holds connections to its two ring neighbours and to the
-        # peers it heals or is healed by; the full mesh one to every peer.
-        raise_limit(8 if LAZY_CONNECT else len(members), f"a member of a generation of {len(members)}")
-        group = GenerationGroup(
-            number,
-            reply["rank"],
-            len(members),
-            members,
-            abandoned=lambda n=number: job._abandon_reason(n),
-            wake=self.wake,
-            timeout=job.settings.collective_timeout,
-            blocked=self._blocked,
-        )
+        group = generation_group(reply, self.client, job.member_id, lambda n=number: job._abandon_reason(n), self.wake,
+                                 job.settings.collective_timeout, self._blocked)
         error: GenerationFailed | None = None
         try:
-            group.connect(self._store_for(reply["store_host"], reply["store_port"]), prefix, reply["store_host"])
+            store = self._store_connection.connect(reply["store_host"], reply["store_port"], job.settings.collective_timeout)
+            group.connect(store, store_prefix(reply, job._group), reply["store_host"])
         except GenerationFailed as exc:
-            self._store = None  # a broken store connection must not break every later generation
+            self._store_connection.store = None  # a broken store connection must not break every later generation
             error = exc
         if job._group is not None:
-            error = self._agree_before_healing(number, error)
+            # did every process connect its shard's group, and do they hold the same state?
+            error, as_fresh = agree_before_healing(job._group, number, error, job._state_key(), job.member_id, job.next_step)
+            if as_fresh:
+                job.fresh = True  # every shard is healed again from one source
         if error is None:
             try:
                 job._healer.heal(group)
@@ -456,11 +317,9 @@ class Joiner:
         # a replica group uses a generation only if every one of its processes built and healed
         # its shard's group, and they all hold the same step and lineage after it
         if job._group is not None:
-            ballot = job._group.ballot(error is None, number, state=job._state_key())
-            if ballot.ok and not ballot.same_state:
+            error, unmendable = agree_after_healing(job._group, number, error, job._state_key())
+            if unmendable:
                 self._end_unmendable_group(number)
-            if error is None and not ballot.ok:
-                error = GenerationFailed(f"generation {number}: another process of this replica group could not join it")
         if error is not None:
             self.report_failure(number, str(error))
             self.graveyard.park(group)
@@ -474,32 +333,12 @@ class Joiner:
         log.info("%s: generation %d, member %d of %d, at step %d", job.member_id, number, group.rank, group.size, job.next_step)
         return True
 
-    def _agree_before_healing(self, number: int, error: GenerationFailed | None) -> GenerationFailed | None:
-        """A replica group's processes, before they heal: did every one connect its shard's group,
-        and do they hold the same next step, lineage and freshness? If they do not (a heal that
-        failed part-way left some shards loaded and others not), the whole group counts as fresh,
-        so that every shard is healed again from one source. Returns the error to fail with."""
-        job = self.job
-        ballot = job._group.ballot(error is None, number, state=job._state_key())
-        if error is None and not ballot.ok:
-            return GenerationFailed(f"generation {number}: another process of this replica group could not connect")
-        if ballot.ok and not ballot.same_state:
-            log.warning("%s: the processes of this replica group hold different steps or lineages (this one: step %d);"
-                        " the group is healed as fresh", job.member_id, job.next_step)
-            job.fresh = True
-        return error
-
     def _end_unmendable_group(self, number: int) -> None:
-        """The group's processes still hold different states after healing as fresh: nobody in
-        generation ``number`` held the job's state to heal every shard from (each shard went to
-        whichever process held the most of it). Its state is a mix no step can be trusted from,
-        so the group ends itself; its launcher restarts it with a truly fresh state, which is
-        healed from a member that holds the job's, or from the newest checkpoint, or starts over."""
+        """The group's processes still hold different states after healing as fresh
+        (:func:`~unbroken.worker.generation_forming.unmendable_message`): the group ends itself, and
+        its launcher restarts it with a truly fresh state."""
         job = self.job
-        message = (f"unbroken: {job.member_id}: the processes of this replica group hold different steps or lineages"
-                   f" after healing in generation {number} (this one: step {job.next_step}), and no member holds the"
-                   " job's state to heal them from; ending the group so that it restarts fresh")
-        print(message, file=sys.stderr, flush=True)
+        print(unmendable_message(job.member_id, number, job.next_step), file=sys.stderr, flush=True)
         job._stop(finished=False)
         raise SystemExit(EXIT_RESTART_FRESH)
 
@@ -517,21 +356,6 @@ class Joiner:
         print(message, file=sys.stderr, flush=True)
         self.job._stop(finished=False)
         raise SystemExit(code)
-
-    def _store_for(self, host: str, port: int) -> Any:
-        if self._store is not None and self._store_address != (host, port):
-            self._store = None  # the store moved (a restarted coordinator)
-        if self._store is None:
-            self._store_address = (host, port)
-            import datetime
-
-            import torch.distributed as dist
-
-            try:
-                self._store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.job.settings.collective_timeout))
-            except Exception as exc:  # DistNetworkError / RuntimeError from torch
-                raise GenerationFailed(f"cannot reach the process-group store at {host}:{port}: {exc}") from None
-        return self._store
 
     # -- leaving -------------------------------------------------------------------------------
 
@@ -571,10 +395,3 @@ class Joiner:
         if self.heartbeat is not None:
             self.heartbeat.stop()
 
-
-def _local_address(coordinator: str) -> str:
-    """This host's address on the route to the coordinator (a donor reaches it there)."""
-    host, port = coordinator.rsplit(":", 1)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host.strip("[]"), int(port)))
-        return probe.getsockname()[0]

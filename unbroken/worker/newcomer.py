@@ -1,0 +1,62 @@
+"""A fresh process joining a running job: what it does before it asks to join, while the others
+still train without waiting for it.
+
+It warms its optimizer state, so that its heal lands in warm memory
+(:func:`warm_before_joining`, :mod:`unbroken.worker.warm_state`), and opens a port for a donor to
+stream the state to, so that it catches up instead of being healed (:func:`start_catch_up`,
+:mod:`unbroken.worker.catch_up`). Both only when the heartbeat says a generation is running. The
+joiner (:mod:`unbroken.worker.joining`) decides whether this process is such a newcomer and passes
+in what these use.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any, Callable, ContextManager
+
+log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
+
+
+def warm_before_joining(
+    heartbeat: Any, optimizer: Any, busy: Callable[[str], ContextManager[None]], member_id: str,
+) -> dict[Any, Any] | None:
+    """Allocate and touch ``optimizer``'s state now, marked ``busy`` on the ``heartbeat``, if its
+    view (waited for up to a second: the first reply comes at once) shows a running generation;
+    the state tensors by place (:func:`~unbroken.worker.warm_state.warm_optimizer`), or None."""
+    deadline = time.monotonic() + 1.0  # the heartbeat's first reply comes at once
+    while not heartbeat.view and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if heartbeat.view.get("generation", 0) <= 0 or heartbeat.view.get("finished"):
+        return None
+    from unbroken.worker.warm_state import warm_optimizer
+
+    started = time.monotonic()
+    with busy("warming the optimizer state"):
+        warm = warm_optimizer(optimizer)
+    if warm:
+        log.info("%s: optimizer state warmed for the heal in %.2f s (%d tensors)", member_id,
+                 time.monotonic() - started, len(warm))
+    return warm
+
+
+def start_catch_up(open_catch_up: Callable[[str], Any], heartbeat: Any, coordinator: str, member_id: str) -> Any:
+    """Open a port for a donor on this host's address towards the ``coordinator``
+    (``open_catch_up(address)``, a :class:`~unbroken.worker.catch_up.CatchUp`), if the
+    ``heartbeat``'s view shows a running generation; None otherwise or if no port can be opened."""
+    if heartbeat.view.get("generation", 0) <= 0 or heartbeat.view.get("finished"):
+        return None
+    try:
+        return open_catch_up(local_address(coordinator))
+    except OSError as exc:
+        log.info("%s: cannot open a port to catch up (%s); healed as usual", member_id, exc)
+        return None
+
+
+def local_address(coordinator: str) -> str:
+    """This host's address on the route to the coordinator (a donor reaches it there)."""
+    host, port = coordinator.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host.strip("[]"), int(port)))
+        return probe.getsockname()[0]
