@@ -102,3 +102,26 @@ def check_assigned(device: torch.device) -> None:
             f"the model is on cuda:{index} but this worker (LOCAL_RANK={os.environ['LOCAL_RANK']}) was given {given};"
             " use model.to(unbroken.worker.devices.local_device())"
         )
+
+
+def take_device(model: torch.nn.Module, backend: str, collective_timeout: float, distributed: bool) -> tuple[torch.device, str]:
+    """The ``model``'s device, made this process's current CUDA device if it is one, and, in a
+    ``distributed`` job, the backend its generation groups use (``backend`` as set: ``auto``,
+    ``gloo`` or ``nccl``), with the NCCL environment (``collective_timeout``) and the transport
+    prepared; ``"none"`` alone. Called on the main thread, before anything touches CUDA."""
+    device = model_device(model)
+    if device.type == "cuda":
+        # On this (the main) thread, before anything touches CUDA: the current device is where
+        # snapshots, events and new tensors go (a worker with LOCAL_RANK 1 waited on cuda:0).
+        torch.cuda.set_device(device)
+    chosen = choose_backend(backend, device) if distributed else "none"
+    if distributed:
+        check_assigned(device)
+        from unbroken.worker.group import set_transport
+
+        if chosen == "nccl":
+            from unbroken.worker.nccl import prepare_environment
+
+            prepare_environment(collective_timeout)  # before this process's first NCCL group
+        set_transport(chosen, device)
+    return device, chosen

@@ -20,8 +20,10 @@ This module holds :class:`Job` (the training objects, the step counter and linea
 loop); its settings are :class:`~unbroken.worker.runtime_settings.RuntimeSettings`. The rest of the
 work is done by parts of their own: :class:`Step` (:mod:`unbroken.worker.step`), joining a generation
 and keeping its group (:mod:`unbroken.worker.joining`), healing it (:mod:`unbroken.worker.healer`), durable
-checkpoints (:mod:`unbroken.worker.checkpointing`), replica checks (:mod:`unbroken.worker.replica_check`) and
-the sample record (:mod:`unbroken.worker.sample_record`).
+checkpoints (:mod:`unbroken.worker.checkpointing`), replica checks (:mod:`unbroken.worker.replica_check`),
+the sample record (:mod:`unbroken.worker.sample_record`), the training state as one dict
+(:mod:`unbroken.worker.job_state`), the checks of the loop's rules on the script's own calls
+(:mod:`unbroken.worker.loop_rules`) and the device and backend (:func:`unbroken.worker.devices.take_device`).
 """
 
 from __future__ import annotations
@@ -37,16 +39,17 @@ import torch
 from unbroken.worker import devices
 
 from unbroken.worker import state_digests
-from unbroken.worker.rng_state import rng_state, set_rng_state
 
 from unbroken.worker import mixed_precision
 from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
-from unbroken.errors import ConfigError, GenerationFailed, LoopMisuse
+from unbroken.errors import ConfigError, GenerationFailed
 from unbroken.worker.healer import Healer
+from unbroken.worker.job_state import TrainingObjects, gather_state, load_state
 from unbroken.worker.joining import Joiner
 from unbroken.worker.lifetime import ExitGuard
+from unbroken.worker.loop_rules import LoopGuard
 from unbroken.data.loader import Loader, check_dataset
 from unbroken.worker.replica_check import verify_replicas
 from unbroken.worker.runtime_settings import RuntimeSettings
@@ -134,15 +137,8 @@ class Job:
         """Set by a framework's loop that leaves job.steps() because of an error (never a stop)."""
         self._inputs_checked = False
         """Whether this process's first micro-batch was followed into the model (:mod:`unbroken.worker.input_check`)."""
-        self._in_loop_body = False
-        """True while the script's loop body runs a step: there, only :meth:`Step.commit` may step
-        the optimizer (unbroken's own loads may, between steps: DCP initialises optimizer state
-        with a step of zero gradients)."""
-        previous = getattr(optimizer, "_unbroken_step_hook", None)
-        if previous is not None:  # one job at a time watches an optimizer: the newest
-            previous.remove()
-        optimizer._unbroken_step_hook = optimizer.register_step_pre_hook(self._check_optimizer_step)
-        self._watch_zero_grad(optimizer)
+        self._loop_guard = LoopGuard(optimizer, lambda: self._committing, lambda: self.next_step)
+        """Where the script's loop stands (in a step's body, which step), and the checks of its rules."""
         self.dataset = dataset
         self.scheduler = scheduler
         self.extra_state = extra_state
@@ -195,12 +191,11 @@ class Job:
             self.plan.micro_batch_size * (self._group.size if grouped else 1), self._group.size if grouped else 1, self._events,
         )
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
-        self._current_step: Step | None = None
         self._default_group = None
         if self.distributed and self._group is None and self.settings.default_group:
             from unbroken.worker.default_group import DefaultGroup
 
-            self._default_group = DefaultGroup(self._script_collective_failed)
+            self._default_group = DefaultGroup(self._loop_guard.script_collective_failed)
 
     def _replica_group(self) -> Any:
         """The replica group this process is in (:func:`unbroken.group_mesh` made it), or None."""
@@ -230,22 +225,9 @@ class Job:
         """Why the job ends before ``total`` (:meth:`stop`, or the loop left with ``break``)."""
 
     def _choose_backend(self, model: torch.nn.Module) -> None:
-        """The model's device and, in a distributed job, the backend its groups use."""
-        self._device = devices.model_device(model)
-        if self._device.type == "cuda":
-            # On this (the main) thread, before anything touches CUDA: the current device is where
-            # snapshots, events and new tensors go (a worker with LOCAL_RANK 1 waited on cuda:0).
-            torch.cuda.set_device(self._device)
-        self.backend = devices.choose_backend(self.settings.backend, self._device) if self.distributed else "none"
-        if self.distributed:
-            devices.check_assigned(self._device)
-            from unbroken.worker.group import set_transport
-
-            if self.backend == "nccl":
-                from unbroken.worker.nccl import prepare_environment
-
-                prepare_environment(self.settings.collective_timeout)  # before this process's first NCCL group
-            set_transport(self.backend, self._device)
+        """The model's device and, in a distributed job, the backend its groups use (:func:`devices.take_device`)."""
+        self._device, self.backend = devices.take_device(model, self.settings.backend, self.settings.collective_timeout,
+                                                         self.distributed)
 
     def _watch_gradients(self, model: torch.nn.Module) -> None:
         """Distributed: a reducer that allreduces gradients as they become final. Alone: a hook
@@ -269,15 +251,6 @@ class Job:
         """True on the member at index 0 of the current generation (and in a single process)."""
         return self.member_index == 0
 
-    def _check_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Refuse ``optimizer.step()`` called by the script: the update must wait for the reduce,
-        or members apply their own share's gradients and the replicas drift apart."""
-        if self._in_loop_body and not self._committing:
-            raise LoopMisuse(
-                f"step {self.next_step}: optimizer.step() was called by the script; step.commit() steps the optimizer"
-                " (and the scheduler, and zero_grad) once the gradients are reduced over every member: call"
-                " step.commit() instead")
-
     def on_leader(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` once, on the leader, and return its result on every member.
 
@@ -294,20 +267,6 @@ class Job:
             return fn(*args, **kwargs)
         return self._leader_calls.run(fn, args, kwargs)
 
-    def _script_collective_failed(self, error: GenerationFailed) -> None:
-        """A collective of the script's own on torch.distributed's default group failed (a member
-        was lost): inside a step, before its reduce, the step is redone in the next generation
-        (the collective returns, its output undefined, and the reduce fails); elsewhere, raise."""
-        step = self._current_step
-        if self._in_loop_body and step is not None and not step.committed:
-            step._stale = step._stale or str(error)  # the reduce (or the commit) fails on it
-            return
-        where = f"after step {step.index}'s commit" if step is not None else "outside the training loop"
-        raise GenerationFailed(
-            f"{error}: a collective of the script's own on torch.distributed's default group failed {where}, where it"
-            " cannot be redone; make it inside the step, before step.commit(), where a failure is redone"
-            " with the step, or use job.on_leader for work the leader does alone") from None
-
     def _rejoin(self, reason: str | None) -> bool:
         """Leave the broken generation (for ``reason``) and join the next, inside the loop body
         (an :meth:`on_leader` call whose leader died); False if the job finished meanwhile."""
@@ -317,25 +276,6 @@ class Job:
             if not self._joiner.join():
                 return False
         return True
-
-    def _watch_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse ``optimizer.zero_grad()`` between a step's first ``step.backward`` and its
-        commit: it would drop gradients the reduce needs (torch has no hook for it, so the
-        optimizer's own method is wrapped, once)."""
-        original = getattr(optimizer, "_unbroken_zero_grad", None) or optimizer.zero_grad
-        optimizer._unbroken_zero_grad = original
-
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            step = self._current_step
-            if (self._in_loop_body and step is not None and step._backwards and not self._committing
-                    and not (step.committed or step.failed or step.stopped)):
-                raise LoopMisuse(
-                    f"step {step.index}: optimizer.zero_grad() was called by the script after step.backward and before"
-                    " step.commit(); it would drop gradients the reduce needs. step.commit() zeroes them after the"
-                    " optimizer step: remove the call (or make it before the step's first step.backward)")
-            return original(*args, **kwargs)
-
-        optimizer.zero_grad = zero_grad
 
     def stop(self, reason: str = "stopped by the script") -> None:
         """End the job early, for every member, at one step boundary: call it on any member (an
@@ -365,19 +305,19 @@ class Job:
         try:
             self._checkpointing.open(resume=self.fresh)
             while self.next_step < total and self.stop_reason is None:
-                step = self._current_step = Step(self, self.next_step)
+                step = self._loop_guard.step = Step(self, self.next_step)
                 try:
-                    self._in_loop_body = True
+                    self._loop_guard.in_body = True
                     yield step
                 except GeneratorExit:
                     step.untrack()
-                    self._in_loop_body = False
+                    self._loop_guard.in_body = False
                     if step.committed or step.untouched:  # a break at a boundary: the job ends here, as at a normal end
                         if step.committed:  # (an untouched step may still be used: the test idiom next(iter(job.steps())))
                             self.stop(f"the script left the loop after step {step.index}")
                         self._checkpointing.final()
                     return
-                self._in_loop_body = False
+                self._loop_guard.in_body = False
                 step.untrack()
                 step.commit()
                 self._checkpointing.maybe_save()
@@ -446,13 +386,13 @@ class Job:
                     continue
                 if not self._first_step_barrier():
                     continue
-                step = self._current_step = Step(self, self.next_step)
+                step = self._loop_guard.step = Step(self, self.next_step)
                 try:
-                    self._in_loop_body = True
+                    self._loop_guard.in_body = True
                     yield step
                 except GeneratorExit:
                     step.untrack()
-                    self._in_loop_body = False
+                    self._loop_guard.in_body = False
                     # The loop body left: a break, or an exception. After the step's commit, when
                     # every member left after the same step, the job ends here as at a normal end;
                     # otherwise this member leaves unfinished, as it always did.
@@ -460,7 +400,7 @@ class Job:
                         finished = True
                         return
                     raise
-                self._in_loop_body = False
+                self._loop_guard.in_body = False
                 step.untrack()
                 if not step.committed and not step.failed:
                     step.commit()
@@ -570,52 +510,26 @@ class Job:
 
     # -- the training state ----------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        if self._group is not None:
-            from unbroken.replica_groups.sharding import local_state_shards
+    def _training_objects(self) -> TrainingObjects:
+        return TrainingObjects(self.model, self.optimizer, self.scheduler, self.extra_state, self.scaler, self.plan,
+                               self._group, self._device)
 
-            # A replica group: this process's shards only; process j of another group holds the same ones.
-            model: Any = local_state_shards(self.model, self.optimizer)
-            optimizer: Any = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        else:
-            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
-        return {
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
-            "runtime": {"next_step": self.next_step, "lineage": list(self.lineage), "checkpoint_schedule": self._checkpointing.record()},
-            "plan": {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len},
-            "rng": rng_state(self._device),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
+    def _state(self) -> dict[str, Any]:
+        """The training state (:func:`~unbroken.worker.job_state.gather_state`), with this job's record."""
+        runtime = {"next_step": self.next_step, "lineage": list(self.lineage), "checkpoint_schedule": self._checkpointing.record()}
+        return gather_state(self._training_objects(), runtime)
 
     def _load(self, state: dict[str, Any]) -> None:
-        mine = {"global_batch_size": self.plan.global_batch_size, "seed": self.plan.seed, "dataset_len": self.plan.dataset_len}
-        if state["plan"] != mine:
-            raise ConfigError(f"members disagree on the data plan: peer has {state['plan']}, this member {mine}")
-        if self._group is not None:
-            from unbroken.replica_groups.sharding import load_local_state_shards
-
-            load_local_state_shards(self.model, self.optimizer, state["model"])
-            for group, saved in zip(self.optimizer.param_groups, state["optimizer"]):
-                group.update(saved)
-        else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.extra_state is not None and state["extra"] is not None:
-            self.extra_state.load_state_dict(state["extra"])
-        self.next_step = state["runtime"]["next_step"]
-        self.lineage = list(state["runtime"]["lineage"])
-        self._digest = state_digests.lineage_digest(self.lineage)
-        self._checkpointing.adopt(state["runtime"].get("checkpoint_schedule"))  # absent from older states
-        if self.scaler is not None and state.get("scaler"):  # absent from older states
-            self.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"], self._device)
+        """Load a training state (:func:`~unbroken.worker.job_state.load_state`), this job's record with it."""
+        load_state(self._training_objects(), state, self._restore_record)
         if self._joiner.heartbeat is not None:
             self._joiner.heartbeat.step = self.next_step
+
+    def _restore_record(self, runtime: dict[str, Any]) -> None:
+        self.next_step = runtime["next_step"]
+        self.lineage = list(runtime["lineage"])
+        self._digest = state_digests.lineage_digest(self.lineage)
+        self._checkpointing.adopt(runtime.get("checkpoint_schedule"))  # absent from older states
 
     def _committed(self, step: Step) -> None:
         self.next_step = step.index + 1
