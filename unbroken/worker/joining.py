@@ -216,7 +216,7 @@ class Joiner:
         job = self.job
         if not job.fresh or job._warm is not None or group is not None or self.heartbeat is None:
             return
-        job._warm = newcomer.warm_before_joining(self.heartbeat, job.optimizer, self.busy, job.member_id)
+        job._warm = newcomer.warm_before_joining(self.heartbeat, job.optimizer, job.model, self.busy, job.member_id)
 
     def _relay(self, reply: dict[str, Any]) -> dict[str, Any]:
         """Process 0 of a replica group: pass a generation (or the job's end) on to the group."""

@@ -1,7 +1,7 @@
 """A fresh process joining a running job: what it does before it asks to join, while the others
 still train without waiting for it.
 
-It warms its optimizer state, so that its heal lands in warm memory
+It warms its optimizer state and tensors like its parameters, so that its heal lands in warm memory
 (:func:`warm_before_joining`, :mod:`unbroken.worker.warm_state`), and opens a port for a donor to
 stream the state to, so that it catches up instead of being healed (:func:`start_catch_up`,
 :mod:`unbroken.worker.catch_up`). Both only when the heartbeat says a generation is running. The
@@ -20,23 +20,24 @@ log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; 
 
 
 def warm_before_joining(
-    heartbeat: Any, optimizer: Any, busy: Callable[[str], ContextManager[None]], member_id: str,
+    heartbeat: Any, optimizer: Any, model: Any, busy: Callable[[str], ContextManager[None]], member_id: str,
 ) -> dict[Any, Any] | None:
-    """Allocate and touch ``optimizer``'s state now, marked ``busy`` on the ``heartbeat``, if its
-    view (waited for up to a second: the first reply comes at once) shows a running generation;
-    the state tensors by place (:func:`~unbroken.worker.warm_state.warm_optimizer`), or None."""
+    """Allocate and touch ``optimizer``'s state and tensors like ``model``'s parameters now, marked
+    ``busy`` on the ``heartbeat``, if its view (waited for up to a second: the first reply comes at
+    once) shows a running generation; the tensors by place in the state
+    (:func:`~unbroken.worker.warm_state.warm_optimizer`, :func:`~unbroken.worker.warm_state.warm_model`), or None."""
     deadline = time.monotonic() + 1.0  # the heartbeat's first reply comes at once
     while not heartbeat.view and time.monotonic() < deadline:
         time.sleep(0.01)
     if heartbeat.view.get("generation", 0) <= 0 or heartbeat.view.get("finished"):
         return None
-    from unbroken.worker.warm_state import warm_optimizer
+    from unbroken.worker.warm_state import warm_model, warm_optimizer
 
     started = time.monotonic()
     with busy("warming the optimizer state"):
-        warm = warm_optimizer(optimizer)
+        warm = {**warm_optimizer(optimizer), **warm_model(model)}
     if warm:
-        log.info("%s: optimizer state warmed for the heal in %.2f s (%d tensors)", member_id,
+        log.info("%s: optimizer state and parameters warmed for the heal in %.2f s (%d tensors)", member_id,
                  time.monotonic() - started, len(warm))
     return warm
 
