@@ -16,6 +16,16 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 600), torch.nn.ReLU(), torch.nn.Linear(600, 512), torch.nn.BatchNorm1d(512))
 
 
+def _sender_and_newcomer():
+    """A member after one AdamW step, its state, and a newcomer that has just built the same model."""
+    sender_model, newcomer_model = _model(), _model()
+    sender = torch.optim.AdamW(sender_model.parameters(), lr=0.1)
+    sender_model(torch.randn(4, 16)).square().mean().backward()
+    sender.step()
+    state = {"model": sender_model.state_dict(), "optimizer": sender.state_dict()}
+    return sender_model, sender, state, newcomer_model, torch.optim.AdamW(newcomer_model.parameters(), lr=0.1)
+
+
 OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.5),
     "adam": lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1, amsgrad=True),
@@ -67,12 +77,7 @@ def test_the_places_of_a_states_tensors_are_its_keys_from_the_root():
 
 
 def test_a_heal_into_warm_memory_lands_in_it_and_arrives_exactly():
-    sender_model, newcomer_model = _model(), _model()
-    sender = torch.optim.AdamW(sender_model.parameters(), lr=0.1)
-    sender_model(torch.randn(4, 16)).square().mean().backward()
-    sender.step()
-    state = {"model": sender_model.state_dict(), "optimizer": sender.state_dict()}
-    newcomer = torch.optim.AdamW(newcomer_model.parameters(), lr=0.1)
+    sender_model, sender, state, newcomer_model, newcomer = _sender_and_newcomer()
     warm = warm_optimizer(newcomer)
     link = _Link()
     with _sizes(large=1 << 10, pack=16 << 20, message=16 << 20):
@@ -98,12 +103,7 @@ def test_tensors_that_do_not_fit_the_warm_memory_arrive_in_new_memory():
 
 
 def test_the_parameters_arrive_in_warm_memory_which_becomes_theirs_without_a_copy_and_training_goes_on_alike():
-    sender_model, newcomer_model = _model(), _model()
-    sender = torch.optim.AdamW(sender_model.parameters(), lr=0.1)
-    sender_model(torch.randn(4, 16)).square().mean().backward()
-    sender.step()
-    state = {"model": sender_model.state_dict(), "optimizer": sender.state_dict()}
-    newcomer = torch.optim.AdamW(newcomer_model.parameters(), lr=0.1)
+    sender_model, sender, state, newcomer_model, newcomer = _sender_and_newcomer()
     params = list(newcomer_model.parameters())
     warm = {**warm_optimizer(newcomer), **warm_model(newcomer_model)}
     assert {("model", n) for n, _ in newcomer_model.named_parameters()} <= warm.keys()
