@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +41,8 @@ from unbroken.worker import healing, state_digests
 from unbroken.worker.stream_link import LinkBroken, StreamLink
 from unbroken.worker.warm_state import adopt_parameters
 
-Job = Any  # the runtime's Job (not imported: the runtime imports this module)
+if TYPE_CHECKING:
+    from unbroken.worker.job_parts import CatchingUpJob
 
 log = logging.getLogger("unbroken")
 
@@ -51,17 +52,17 @@ TAG_RECORD, TAG_MASK, TAG_TENSOR = 101, 102, 103
 RECORD, END = 1, 2
 
 
-def eligible(job: Job) -> bool:
+def eligible(job: CatchingUpJob) -> bool:
     """Whether a replay can be exact for this job (both sides check it; they run one script)."""
     return (job._reducer is not None and job._group is None and job.scaler is None and job.extra_state is None
             and os.environ.get("UNBROKEN_REJOIN", "catch-up") != "heal")
 
 
-def _params(job: Job) -> list[torch.nn.Parameter]:
+def _params(job: CatchingUpJob) -> list[torch.nn.Parameter]:
     return [p for group in job.optimizer.param_groups for p in group["params"]]
 
 
-def params_digest(job: Job) -> int:
+def params_digest(job: CatchingUpJob) -> int:
     """A 63-bit checksum of the model's parameters and buffers, bit for bit, computed where they
     live in one pass at memory speed (a cryptographic hash of gigabytes on the host would cost
     the survivors seconds): each tensor's 64-bit words summed (wrapping), the sums chained with
@@ -87,7 +88,7 @@ _DIGEST_MOD = (1 << 61) - 1
 class Donation:
     """A donor's stream to one newcomer: its state at one step, then every step it commits."""
 
-    def __init__(self, job: Job, newcomer: str, address: str) -> None:
+    def __init__(self, job: CatchingUpJob, newcomer: str, address: str) -> None:
         from unbroken.storage.state_copy import copies_done, snapshot
 
         self.job, self.newcomer = job, newcomer
@@ -155,7 +156,7 @@ class Donor:
     """A member's side: start a donation when the coordinator names this member a newcomer's
     donor, feed it at every commit, end it when this member leaves its generation."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: CatchingUpJob) -> None:
         self.job = job
         self.wanted: dict[str, Any] | None = None
         """The coordinator's request (``{"member", "address"}``), set from the heartbeat thread."""
@@ -192,7 +193,7 @@ class Donor:
 class CatchUp:
     """A newcomer's side: a port for its donor, and a thread that receives and replays."""
 
-    def __init__(self, job: Job, host: str, warm: dict | None) -> None:
+    def __init__(self, job: CatchingUpJob, host: str, warm: dict | None) -> None:
         self.job, self.warm = job, warm
         self.server = socket.create_server((host, 0))
         self.address = f"{host}:{self.server.getsockname()[1]}"
@@ -307,7 +308,7 @@ class CatchUp:
                              " donor's; it ends and starts afresh")
 
 
-def replay(job: Job, index: int, generation: int, grads: list[torch.Tensor | None], buffers: list[torch.Tensor]) -> None:
+def replay(job: CatchingUpJob, index: int, generation: int, grads: list[torch.Tensor | None], buffers: list[torch.Tensor]) -> None:
     """Apply step ``index`` as its commit did (:meth:`unbroken.worker.step.Step.commit`):
     the reduced gradients through the optimizer and the scheduler, then the synced buffers."""
     for p, grad in zip(_params(job), grads):

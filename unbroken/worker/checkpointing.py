@@ -20,7 +20,7 @@ from unbroken.worker import state_digests
 from unbroken.errors import ConfigError, GenerationFailed
 
 if TYPE_CHECKING:
-    from unbroken.worker.runtime import Job
+    from unbroken.worker.job_parts import CheckpointingJob
 
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
 
@@ -28,7 +28,7 @@ log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; 
 class Checkpointing:
     """One job's checkpoint directory, saver and schedule (all None without a directory)."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: CheckpointingJob) -> None:
         self.job = job
         self.store: Any = None  # CheckpointStore, opened when steps() starts
         self.saver: Any = None

@@ -23,7 +23,7 @@ from unbroken.worker.randomness import seed_member
 from unbroken.worker.warm_state import adopt_parameters
 
 if TYPE_CHECKING:
-    from unbroken.worker.runtime import Job
+    from unbroken.worker.job_parts import HealingJob
 
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
 
@@ -31,7 +31,7 @@ log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; 
 class Healer:
     """Brings the members of a new generation to one state: the job's, or a peer's."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: HealingJob) -> None:
         self.job = job
 
     def heal(self, group: Any) -> None:

@@ -37,7 +37,7 @@ from unbroken.worker.generation_forming import (
 from unbroken.worker.lifetime import ExitGuard, die_with_launcher
 
 if TYPE_CHECKING:
-    from unbroken.worker.runtime import Job
+    from unbroken.worker.job_parts import JoiningJob
 
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
 
@@ -49,7 +49,7 @@ class Joiner:
     forms; the job reads the group from :attr:`group` (None between generations).
     """
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: JoiningJob) -> None:
         from unbroken.worker.group import Graveyard
 
         self.job = job

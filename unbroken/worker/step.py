@@ -20,13 +20,13 @@ from unbroken.worker import mixed_precision
 from unbroken.errors import GenerationFailed, LoopMisuse
 
 if TYPE_CHECKING:
-    from unbroken.worker.runtime import Job
+    from unbroken.worker.job_parts import SteppingJob
 
 
 class Step:
     """One training step: its micro-batches, its backward, its reduce and its commit."""
 
-    def __init__(self, job: "Job", index: int) -> None:
+    def __init__(self, job: SteppingJob, index: int) -> None:
         self.job = job
         self.index = index
         self.generation = job.generation
