@@ -3,7 +3,7 @@
 The Job hands itself to its helpers (:class:`~unbroken.worker.step.Step`,
 :class:`~unbroken.worker.joining.Joiner`, :class:`~unbroken.worker.healer.Healer`,
 :class:`~unbroken.worker.checkpointing.Checkpointing`, and the donor and newcomer of
-:mod:`unbroken.worker.catch_up`). Each names here exactly the attributes and methods of the job
+:mod:`unbroken.worker.catch_up`) and its loop to :mod:`unbroken.worker.step_loop`. Each names here exactly the attributes and methods of the job
 that it reads, writes or calls, and nothing imports the runtime for it: no import cycle. Types only
 (the helpers import this module under ``TYPE_CHECKING``); a member is ``Any`` where the Job's own
 is, or where its type would need an import of a helper or of the runtime (a cycle). The Job's own
@@ -20,9 +20,11 @@ if TYPE_CHECKING:
     import torch
 
     from unbroken.data.data_plan import DataPlan
+    from unbroken.data.loader import Loader
     from unbroken.observe.events import EventLog
     from unbroken.storage.checkpoint import CheckpointSettings
     from unbroken.worker.chaos import Chaos
+    from unbroken.worker.loop_rules import LoopGuard
     from unbroken.worker.pacing import Pacing
     from unbroken.worker.runtime_settings import RuntimeSettings
     from unbroken.worker.sample_record import SampleRecord
@@ -64,6 +66,42 @@ class SteppingJob(Protocol):
     def _vote(self, ok: bool, generation: int, extra: list[float] | None = None) -> tuple[bool, list[float]]: ...
 
     def _committed(self, step: Any) -> None: ...
+
+
+class LoopingJob(SteppingJob, Protocol):
+    """What the loop of :mod:`unbroken.worker.step_loop` uses of a Job: its settings and identity,
+    where it stands (next step, freshness, a stop asked for), the loader it starts and closes, the
+    loop guard it keeps up to date, the joiner and checkpointing it drives, the first step's
+    barrier, the replica checks, the group's decisions together, abandoning a generation and the
+    job's end. It also hands the job to each :class:`~unbroken.worker.step.Step` it yields
+    (:class:`SteppingJob`)."""
+
+    settings: RuntimeSettings
+    member_id: str
+    generation: int
+    next_step: int
+    fresh: bool
+    stop_reason: str | None
+    _loader: Loader
+    _loop_guard: LoopGuard
+    _left_on_error: bool
+    _started_generation: int
+    _pacing: Pacing
+    _chaos: Chaos
+    _joiner: Any  # a Joiner (unbroken.worker.joining)
+    _checkpointing: Any  # a Checkpointing (unbroken.worker.checkpointing)
+
+    def stop(self, reason: str = "stopped by the script") -> None: ...
+
+    def _abandon_reason(self, number: int, for_commit: bool = False) -> str | None: ...
+
+    def _together(self, ok: bool, what: str) -> bool: ...
+
+    def _verify_replicas(self) -> bool: ...
+
+    def _abandon(self, reason: str) -> None: ...
+
+    def _stop(self, finished: bool) -> None: ...
 
 
 class CatchingUpJob(Protocol):

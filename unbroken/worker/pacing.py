@@ -20,8 +20,9 @@ over a group's processes is then dominated by its slowest process (the group's p
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -49,6 +50,16 @@ class Pacing:
         self._summary: dict[str, Any] | None = None
         self.evicted: str | None = None
         """Why this member must leave as a straggler (``--stragglers evict``), once decided."""
+
+    def leave_as_straggler(self, step: int, member_id: str) -> NoReturn:
+        """``--stragglers evict`` chose this member (every member knows it at the same step):
+        leave at this boundary, unfinished, with the exit status a launcher counts as a failure."""
+        from unbroken.errors import EXIT_STRAGGLER
+
+        reason = self.evicted
+        self._events.emit("evicted", step=step, member=member_id, reason=reason)
+        print(f"unbroken: {member_id}: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_STRAGGLER)
 
     @property
     def balancer(self) -> Balancer | None:

@@ -16,21 +16,22 @@ parameters untouched and redoes the step in the next generation. Run as a plain 
 (no coordinator in the environment) the same script trains on the whole global batch, which is
 the reference every distributed run must match.
 
-This module holds :class:`Job` (the training objects, the step counter and lineage, and the
-loop); its settings are :class:`~unbroken.worker.runtime_settings.RuntimeSettings`. The rest of the
-work is done by parts of their own: :class:`Step` (:mod:`unbroken.worker.step`), joining a generation
-and keeping its group (:mod:`unbroken.worker.joining`), healing it (:mod:`unbroken.worker.healer`), durable
-checkpoints (:mod:`unbroken.worker.checkpointing`), replica checks (:mod:`unbroken.worker.replica_check`),
-the sample record (:mod:`unbroken.worker.sample_record`), the training state as one dict
+This module holds :class:`Job` (the training objects, the step counter and lineage); its settings
+are :class:`~unbroken.worker.runtime_settings.RuntimeSettings`. The rest of the work is done by
+parts of their own: the loop (:mod:`unbroken.worker.step_loop`), :class:`Step`
+(:mod:`unbroken.worker.step`), joining a generation and keeping its group
+(:mod:`unbroken.worker.joining`), healing it (:mod:`unbroken.worker.healer`), durable checkpoints
+(:mod:`unbroken.worker.checkpointing`), replica checks (:mod:`unbroken.worker.replica_check`), the
+sample record (:mod:`unbroken.worker.sample_record`), the training state as one dict
 (:mod:`unbroken.worker.job_state`), the checks of the loop's rules on the script's own calls
-(:mod:`unbroken.worker.loop_rules`) and the device and backend (:func:`unbroken.worker.devices.take_device`).
+(:mod:`unbroken.worker.loop_rules`) and the device and backend
+(:func:`unbroken.worker.devices.take_device`).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -39,12 +40,13 @@ import torch
 from unbroken.worker import devices
 
 from unbroken.worker import state_digests
+from unbroken.worker import step_loop
 
 from unbroken.worker import mixed_precision
 from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
-from unbroken.errors import ConfigError, GenerationFailed
+from unbroken.errors import ConfigError
 from unbroken.worker.healer import Healer
 from unbroken.worker.job_state import TrainingObjects, gather_state, load_state
 from unbroken.worker.joining import Joiner
@@ -295,162 +297,9 @@ class Job:
             raise ConfigError(f"total must be a non-negative integer number of steps, got {total!r}")
         self.total = total
         if not self.distributed:
-            yield from self._steps_alone(total)
+            yield from step_loop.steps_alone(self, total)
         else:
-            yield from self._steps_together(total)
-
-    def _steps_alone(self, total: int) -> Iterator[Step]:
-        """A single process: every step commits; the reference every distributed run must match."""
-        self._loader.start(total)
-        try:
-            self._checkpointing.open(resume=self.fresh)
-            while self.next_step < total and self.stop_reason is None:
-                step = self._loop_guard.step = Step(self, self.next_step)
-                try:
-                    self._loop_guard.in_body = True
-                    yield step
-                except GeneratorExit:
-                    step.untrack()
-                    self._loop_guard.in_body = False
-                    if step.committed or step.untouched:  # a break at a boundary: the job ends here, as at a normal end
-                        if step.committed:  # (an untouched step may still be used: the test idiom next(iter(job.steps())))
-                            self.stop(f"the script left the loop after step {step.index}")
-                        self._checkpointing.final()
-                    return
-                self._loop_guard.in_body = False
-                step.untrack()
-                step.commit()
-                self._checkpointing.maybe_save()
-            self._checkpointing.final()
-        finally:
-            self._loader.close()
-
-    def _left_together(self) -> bool:
-        """The loop was left at a step boundary (a ``break`` after a step's commit, or at the top
-        of the next step before any micro-batch; or an exception there): True once every member
-        of the generation left at the same boundary and the job ended there together, as at a
-        normal end. Who else left is counted in the generation's store, never by a collective: a
-        peer that went on waits in the next allreduce, and a collective it does not expect would
-        mismatch its own. False when this member left alone (within a few seconds): it then
-        leaves the job unfinished, as before."""
-        group = self._joiner.group
-        if group is None:
-            return False
-        bound = min(10.0, self.settings.collective_timeout / 3)
-        last = self.next_step - 1
-        with self._joiner.busy("leaving the training loop"):
-            together = group.all_arrive(f"left/{self.next_step}", bound)
-        if not together:
-            print(f"unbroken: {self.member_id}: left the training loop after step {last}, but not every member did"
-                  f" within {bound:.0f} s; this member leaves the job unfinished (to stop the job from one member, call"
-                  " job.stop(reason) and let the loop end)", file=sys.stderr, flush=True)
-            return False
-        self.stop(f"the script left the loop after step {last}")
-        return self._finish()
-
-    def _finish(self) -> bool:
-        """The end of the job, at this step boundary, for every member together: the final
-        replica check, then the final checkpoint (each a decision of a replica group as a whole,
-        so that a process whose check failed never leaves the others half-way into a save)."""
-        return (self._together(self._verify_replicas(), "could not compare replicas")
-                and self._together(self._checkpointing.final_together(), "could not finish"))
-
-    def _steps_together(self, total: int) -> Iterator[Step]:
-        """Under a coordinator: join, heal, step, commit or redo, until every member is at ``total``."""
-        finished = stopping = False
-        self._loader.start(total)  # forks the loader workers before any thread of the runtime runs
-        self._joiner.start()
-        # Whether to resume from a checkpoint is decided when a generation forms (see Healer.heal).
-        self._checkpointing.open(resume=False)
-        try:
-            while True:
-                if self._joiner.group is None:
-                    if not self._joiner.join():
-                        finished = True
-                        break
-                    continue
-                if self.next_step >= total or (self.stop_reason is not None and stopping):
-                    if self._finish():
-                        finished = True
-                        break
-                    continue
-                reason = self._abandon_reason(self.generation)
-                if not reason:
-                    try:
-                        self._chaos.point("step", self.next_step)
-                    except GenerationFailed as exc:
-                        reason = str(exc)
-                if not self._together(not reason, f"left generation {self.generation}"):
-                    if reason:
-                        self._abandon(reason)
-                    continue
-                if not self._first_step_barrier():
-                    continue
-                step = self._loop_guard.step = Step(self, self.next_step)
-                try:
-                    self._loop_guard.in_body = True
-                    yield step
-                except GeneratorExit:
-                    step.untrack()
-                    self._loop_guard.in_body = False
-                    # The loop body left: a break, or an exception. After the step's commit, when
-                    # every member left after the same step, the job ends here as at a normal end;
-                    # otherwise this member leaves unfinished, as it always did.
-                    if (step.committed or step.untouched) and not self._left_on_error and self._left_together():
-                        finished = True
-                        return
-                    raise
-                self._loop_guard.in_body = False
-                step.untrack()
-                if not step.committed and not step.failed:
-                    step.commit()
-                if step.stopped:
-                    stopping = True  # every member saw the request in this reduce: end at this boundary
-                    continue
-                if step.failed:
-                    self._abandon(str(step.error))
-                    continue
-                if self._joiner.group is None or self._joiner.group.number != step.generation:
-                    continue  # re-formed inside the body (on_leader's leader died): the new generation starts at its first step
-                self._checkpointing.maybe_save()
-                if self._pacing.evicted:
-                    self._leave_as_straggler()
-                if step.reconfigure:
-                    self._joiner.close_group()
-                elif self.settings.verify_every and self.next_step % self.settings.verify_every == 0 and self.next_step < total:
-                    self._together(self._verify_replicas(), "could not compare replicas")
-        finally:
-            self._stop(finished)
-
-    def _leave_as_straggler(self) -> None:
-        """``--stragglers evict`` chose this member (every member knows it at the same step):
-        leave at this boundary, unfinished, with the exit status a launcher counts as a failure."""
-        from unbroken.errors import EXIT_STRAGGLER
-
-        reason = self._pacing.evicted
-        self._events.emit("evicted", step=self.next_step - 1, member=self.member_id, reason=reason)
-        print(f"unbroken: {self.member_id}: {reason}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_STRAGGLER)
-
-    def _first_step_barrier(self) -> bool:
-        """Before the first step of each generation, wait until every member is at its start
-        (see :func:`unbroken.worker.leader_calls.first_step_barrier`); False if the generation broke."""
-        group = self._joiner.group
-        if group.number == self._started_generation:
-            return True
-        from unbroken.worker.leader_calls import first_step_barrier
-
-        reason = None
-        try:
-            first_step_barrier(group, self.next_step)
-        except GenerationFailed as exc:
-            reason = str(exc)
-        if not self._together(reason is None, f"left generation {group.number} at its first step"):
-            if reason:
-                self._abandon(reason)
-            return False
-        self._started_generation = group.number
-        return True
+            yield from step_loop.steps_together(self, total)
 
     def _vote(self, ok: bool, generation: int, extra: list[float] | None = None) -> tuple[bool, list[float]]:
         """Whether every process of this member is ``ok`` in ``generation`` and holds the same
