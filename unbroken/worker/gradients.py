@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from unbroken.errors import ConfigError
 from unbroken.worker.group import GenerationGroup
 from unbroken.replica_groups.sharding import _local  # a sharded parameter's own part: what replica groups reduce
 
@@ -268,3 +269,18 @@ class GradientReducer:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def watch_gradients(model: torch.nn.Module, distributed: bool, bucket_cap_mb: float,
+                    count: Callable[[torch.Tensor], None]) -> GradientReducer | None:
+    """Distributed: a reducer that allreduces gradients as they become final. Alone: a hook
+    that counts them (to tell step.backward's gradients from any other backward's), and None."""
+    if distributed:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("the model has no parameters that require gradients")
+        return GradientReducer(params, int(bucket_cap_mb * (1 << 20)))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(count)
+    return None

@@ -242,6 +242,20 @@ def current() -> GroupMember | None:
     return _current
 
 
+def job_group(distributed: bool) -> GroupMember | None:
+    """The replica group this process is in (:func:`unbroken.group_mesh` made it), or None; a
+    :class:`~unbroken.errors.ConfigError` when the launcher started it as one of a replica group
+    but the script made none (a :class:`~unbroken.worker.runtime.Job` asks as it is built)."""
+    group = current()
+    if group is None and distributed and GroupSettings.from_env().size > 1:
+        raise ConfigError(
+            "this process is one of a replica group (unbroken run --group-size), but the script did not call"
+            " unbroken.group_mesh(): call it before building the model and shard the model over the mesh it"
+            " returns (fully_shard(..., mesh=mesh)); see examples/train_fsdp.py"
+        )
+    return group
+
+
 def group_mesh(device: str = "cpu") -> Any:
     """The device mesh of this process's replica group: shard the model over it with FSDP2.
 

@@ -118,7 +118,9 @@ class Job:
     ) -> None:
         self.settings = settings or RuntimeSettings.from_env()
         self.distributed = self.settings.coordinator is not None
-        self._group = self._replica_group()
+        from unbroken.worker.group_member import job_group
+
+        self._group = job_group(self.distributed)
         plan_args = (
             _check_dataset(dataset),
             global_batch_size,
@@ -174,10 +176,11 @@ class Job:
 
         self._donor = Donor(self)
         self._healer = Healer(self)
-        self._reducer = None
         self._grad_events = 0  # gradient accumulations seen by a single process's hooks
         self._buffers = [b for b in model.buffers() if b.numel()]
-        self._watch_gradients(model)
+        from unbroken.worker.gradients import watch_gradients
+
+        self._reducer = watch_gradients(model, self.distributed, self.settings.bucket_cap_mb, self._count_grad)
         from unbroken.worker.leader_calls import LeaderCalls
 
         self._leader_calls = LeaderCalls(
@@ -199,19 +202,6 @@ class Job:
 
             self._default_group = DefaultGroup(self._loop_guard.script_collective_failed)
 
-    def _replica_group(self) -> Any:
-        """The replica group this process is in (:func:`unbroken.group_mesh` made it), or None."""
-        from unbroken.worker import group_member
-
-        group = group_member.current()
-        if group is None and self.distributed and group_member.GroupSettings.from_env().size > 1:
-            raise ConfigError(
-                "this process is one of a replica group (unbroken run --group-size), but the script did not call"
-                " unbroken.group_mesh(): call it before building the model and shard the model over the mesh it"
-                " returns (fully_shard(..., mesh=mesh)); see examples/train_fsdp.py"
-            )
-        return group
-
     def _init_progress(self) -> None:
         """Where this member stands: no step committed, no generation joined, no live state."""
         self.next_step = 0
@@ -230,21 +220,6 @@ class Job:
         """The model's device and, in a distributed job, the backend its groups use (:func:`devices.take_device`)."""
         self._device, self.backend = devices.take_device(model, self.settings.backend, self.settings.collective_timeout,
                                                          self.distributed)
-
-    def _watch_gradients(self, model: torch.nn.Module) -> None:
-        """Distributed: a reducer that allreduces gradients as they become final. Alone: a hook
-        that counts them (to tell step.backward's gradients from any other backward's)."""
-        if self.distributed:
-            from unbroken.worker.gradients import GradientReducer
-
-            params = [p for p in model.parameters() if p.requires_grad]
-            if not params:
-                raise ConfigError("the model has no parameters that require gradients")
-            self._reducer = GradientReducer(params, int(self.settings.bucket_cap_mb * (1 << 20)))
-        else:
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._count_grad)
 
     # -- what the script sees ------------------------------------------------------------------
 
