@@ -25,24 +25,19 @@ parts of their own: the loop (:mod:`unbroken.worker.step_loop`), :class:`Step`
 sample record (:mod:`unbroken.worker.sample_record`), the training state as one dict
 (:mod:`unbroken.worker.job_state`), the checks of the loop's rules on the script's own calls
 (:mod:`unbroken.worker.loop_rules`) and the device and backend
-(:func:`unbroken.worker.devices.take_device`).
+(:func:`unbroken.worker.devices.take_device`); what it builds as it is made comes from
+:mod:`unbroken.worker.job_setup`.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from unbroken.worker import devices
-
-from unbroken.worker import state_digests
-from unbroken.worker import step_loop
-
-from unbroken.worker import mixed_precision
+from unbroken.worker import devices, job_setup, mixed_precision, state_digests, step_loop
 from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
@@ -52,7 +47,7 @@ from unbroken.worker.job_state import TrainingObjects, gather_state, load_state
 from unbroken.worker.joining import Joiner
 from unbroken.worker.lifetime import ExitGuard
 from unbroken.worker.loop_rules import LoopGuard
-from unbroken.data.loader import Loader, check_dataset
+from unbroken.data.loader import Loader
 from unbroken.worker.replica_check import verify_replicas
 from unbroken.worker.runtime_settings import RuntimeSettings
 from unbroken.worker.sample_record import SampleRecord
@@ -61,11 +56,6 @@ from unbroken.observe.events import RUN_DIR_ENV, EventLog
 
 if TYPE_CHECKING:
     from unbroken.storage.checkpoint import CheckpointSettings
-
-
-def _check_dataset(dataset: Any) -> int:
-    """The data set's length; a ConfigError naming what to do if it is not map-style."""
-    return check_dataset(dataset)
 
 
 class Job:
@@ -121,18 +111,7 @@ class Job:
         from unbroken.worker.group_member import job_group
 
         self._group = job_group(self.distributed)
-        plan_args = (
-            _check_dataset(dataset),
-            global_batch_size,
-            global_batch_size if micro_batch_size is None else micro_batch_size,
-            seed,
-        )
-        if self._group is not None and self._group.grouped:
-            from unbroken.replica_groups.process_plan import ProcessPlan
-
-            self.plan: DataPlan = ProcessPlan(*plan_args, self._group.size, self._group.rank)
-        else:
-            self.plan = DataPlan(*plan_args)
+        self.plan: DataPlan = job_setup.data_plan(dataset, global_batch_size, micro_batch_size, seed, self._group)
         self.model = model
         self.optimizer = optimizer
         self._committing = False
@@ -154,9 +133,7 @@ class Job:
             collate_fn=collate_fn, worker_init_fn=worker_init_fn,
         )
         self._choose_backend(model)
-        self.member_id = self.settings.member_id or f"{socket.gethostname()}-{os.getpid()}"
-        if self._group is not None and self._group.rank > 0:
-            self.member_id = f"{self.member_id}.p{self._group.rank}"  # the group's member is process 0
+        self.member_id = job_setup.member_id(self.settings, self._group)
         self._init_progress()
         self._joiner = Joiner(self)
         self._ticks = 0  # progress: micro-batches, backwards, collectives entered (see _progress)
@@ -187,20 +164,10 @@ class Job:
             lambda: self._joiner.group, self._rejoin, self._joiner.busy, lambda: self.next_step, self._device,
             self.settings.collective_timeout,
         )
-        from unbroken.data.balance import BalanceSettings
-        from unbroken.worker.pacing import Pacing
-
-        grouped = self._group is not None and self._group.grouped
-        self._pacing = Pacing(
-            BalanceSettings(mode=self.settings.stragglers if self.distributed else "off"), self.plan.global_batch_size,
-            self.plan.micro_batch_size * (self._group.size if grouped else 1), self._group.size if grouped else 1, self._events,
-        )
+        self._pacing = job_setup.pacing(self.settings, self.distributed, self.plan, self._group, self._events)
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
-        self._default_group = None
-        if self.distributed and self._group is None and self.settings.default_group:
-            from unbroken.worker.default_group import DefaultGroup
-
-            self._default_group = DefaultGroup(self._loop_guard.script_collective_failed)
+        self._default_group = job_setup.default_group(self.settings, self.distributed, self._group,
+                                                      self._loop_guard.script_collective_failed)
 
     def _init_progress(self) -> None:
         """Where this member stands: no step committed, no generation joined, no live state."""
