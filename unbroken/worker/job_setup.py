@@ -16,6 +16,7 @@ from unbroken.data.data_plan import DataPlan
 from unbroken.data.loader import check_dataset
 
 if TYPE_CHECKING:
+    from unbroken.errors import GenerationFailed
     from unbroken.observe.events import EventLog
     from unbroken.worker.default_group import DefaultGroup
     from unbroken.worker.group_member import GroupMember
@@ -64,7 +65,7 @@ def pacing(settings: RuntimeSettings, distributed: bool, plan: DataPlan, group: 
 
 
 def default_group(settings: RuntimeSettings, distributed: bool, group: GroupMember | None,
-                  script_collective_failed: Callable[[Any], None]) -> DefaultGroup | None:
+                  script_collective_failed: Callable[[GenerationFailed], None]) -> DefaultGroup | None:
     """The default group that follows each generation (:mod:`unbroken.worker.default_group`), for a
     plain member of a distributed job that wants one; None alone or in a replica group."""
     if distributed and group is None and settings.default_group:
