@@ -78,22 +78,15 @@ class LoopingJob(SteppingJob, Protocol):
 
     settings: RuntimeSettings
     member_id: str
-    generation: int
     next_step: int
     fresh: bool
-    stop_reason: str | None
     _loader: Loader
     _loop_guard: LoopGuard
     _left_on_error: bool
     _started_generation: int
-    _pacing: Pacing
-    _chaos: Chaos
-    _joiner: Any  # a Joiner (unbroken.worker.joining)
     _checkpointing: Any  # a Checkpointing (unbroken.worker.checkpointing)
 
     def stop(self, reason: str = "stopped by the script") -> None: ...
-
-    def _abandon_reason(self, number: int, for_commit: bool = False) -> str | None: ...
 
     def _together(self, ok: bool, what: str) -> bool: ...
 
@@ -139,23 +132,14 @@ class JoiningJob(CatchingUpJob, Guarded, Protocol):
     default group), and the job's end. It also hands the job on to catching up
     (:class:`CatchingUpJob`) and to the exit guard (:class:`~unbroken.worker.lifetime.Guarded`)."""
 
-    settings: RuntimeSettings
-    member_id: str
     run_dir: str | None
     generation: int
     member_index: int
     member_count: int
-    next_step: int
     total: int | None
-    fresh: bool
     stop_reason: str | None
     plan: DataPlan
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    _reducer: Any  # a GradientReducer, or None alone
-    _group: Any  # a replica group's GroupMember, or None
     _ticks: int
-    _warm: dict[Any, torch.Tensor] | None
     _generation_floor: int
     _pacing: Pacing
     _samples: SampleRecord

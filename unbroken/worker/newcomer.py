@@ -34,7 +34,7 @@ def warm_before_joining(
     from unbroken.worker.warm_state import warm_model, warm_optimizer
 
     started = time.monotonic()
-    with busy("warming the optimizer state"):
+    with busy("warming the state's memory for the heal"):
         warm = {**warm_optimizer(optimizer), **warm_model(model)}
     if warm:
         log.info("%s: optimizer state and parameters warmed for the heal in %.2f s (%d tensors)", member_id,
