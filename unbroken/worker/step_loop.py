@@ -26,15 +26,20 @@ def steps_alone(job: LoopingJob, total: int) -> Iterator[Step]:
     try:
         job._checkpointing.open(resume=job.fresh)
         while job.next_step < total and job.stop_reason is None:
-            step = Step(job, job.next_step)
+            step = job._loop_guard.step = Step(job, job.next_step)
             try:
-                yield from _body(job, step)
+                job._loop_guard.in_body = True
+                yield step
             except GeneratorExit:
+                step.untrack()
+                job._loop_guard.in_body = False
                 if step.committed or step.untouched:  # a break at a boundary: the job ends here, as at a normal end
                     if step.committed:  # (an untouched step may still be used: the test idiom next(iter(job.steps())))
                         job.stop(f"the script left the loop after step {step.index}")
                     job._checkpointing.final()
                 return
+            job._loop_guard.in_body = False
+            step.untrack()
             step.commit()
             job._checkpointing.maybe_save()
         job._checkpointing.final()
@@ -73,10 +78,13 @@ def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
                 continue
             if not _first_step_barrier(job):
                 continue
-            step = Step(job, job.next_step)
+            step = job._loop_guard.step = Step(job, job.next_step)
             try:
-                yield from _body(job, step)
+                job._loop_guard.in_body = True
+                yield step
             except GeneratorExit:
+                step.untrack()
+                job._loop_guard.in_body = False
                 # The loop body left: a break, or an exception. After the step's commit, when
                 # every member left after the same step, the job ends here as at a normal end;
                 # otherwise this member leaves unfinished, as it always did.
@@ -84,6 +92,8 @@ def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
                     finished = True
                     return
                 raise
+            job._loop_guard.in_body = False
+            step.untrack()
             if not step.committed and not step.failed:
                 step.commit()
             if step.stopped:
@@ -103,18 +113,6 @@ def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
                 job._together(job._verify_replicas(), "could not compare replicas")
     finally:
         job._stop(finished)
-
-
-def _body(job: LoopingJob, step: Step) -> Iterator[Step]:
-    """Yield ``step`` to the script's loop body, the loop guard knowing it is in the body, and
-    stop tracking the step when the body ends, by the next iteration or by leaving the loop."""
-    job._loop_guard.step = step
-    job._loop_guard.in_body = True
-    try:
-        yield step
-    finally:
-        job._loop_guard.in_body = False
-        step.untrack()
 
 
 def _left_together(job: LoopingJob) -> bool:
