@@ -1,4 +1,6 @@
-"""The open-file limit: a coordinator holds two connections per member (and a member's Gloo group,
+"""The open-file limit: a coordinator's process holds two connections per member, its line
+(:mod:`unbroken.coordinator.member_line`) and its connection to the process-group store that the
+coordinator hosts (and a member's Gloo group,
 with ``UNBROKEN_GLOO_FULL_MESH=1``, one to every peer), so the default soft limit of 1,024 descriptors ends a job
 of a few hundred members with ``Too many open files``.
 

@@ -15,6 +15,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
+from unbroken.coordinator.line_watch import CONNECTION_CLOSED, LineWatch
 from unbroken.coordinator.membership import MemberState
 
 if TYPE_CHECKING:
@@ -23,14 +24,10 @@ if TYPE_CHECKING:
     from unbroken.coordinator.metrics import CoordinatorMetrics
     from unbroken.observe.events import EventLog
 
-CONNECTION_CLOSED = "its heartbeat connection closed (its process or host is gone)"
-"""The reason of a verdict on a closed heartbeat connection (replaced by the launcher's, if it
-reports the exit)."""
-
 log = logging.getLogger("unbroken.coordinator.server")  # moved out of the coordinator; its messages keep their logger
 
 
-class CoordinatorApi:
+class CoordinatorApi(LineWatch):
     """The request handlers of :class:`~unbroken.coordinator.server.Coordinator`, which it is a base of,
     on the coordinator's own state."""
 
@@ -113,7 +110,24 @@ class CoordinatorApi:
             self._bump()
         lean = bool(body.get("lean"))
         hold = body.get("hold")  # shorter than the coordinator's: a member catching up asks again soon
-        deadline = time.monotonic() + (min(float(hold), self.settings.hold) if isinstance(hold, (int, float)) else self.settings.hold)
+        deadline = time.monotonic() + self._join_hold(hold if isinstance(hold, (int, float)) else None)
+        transport = self._watch_line(member_id, request)
+        try:
+            return await self._answer_join(member_id, after, lean, deadline)
+        except asyncio.CancelledError:
+            self._line_closed(member_id, transport)
+            raise
+        finally:
+            self._line_idle(member_id, transport)
+
+    def _join_hold(self, asked: float | None) -> float:
+        """How long a join may be held: the member's heartbeats wait meanwhile (they share its
+        line, :mod:`unbroken.coordinator.member_line`), so the join is its heartbeat and is held
+        at most a third of the heartbeat timeout; a member catching up asks for less."""
+        hold = min(self.settings.hold, self.state.settings.heartbeat_timeout / 3)
+        return hold if asked is None else max(0.0, min(float(asked), hold))
+
+    async def _answer_join(self, member_id: str, after: int, lean: bool, deadline: float):
         while True:
             current = self.state.current
             member = self.state.members.get(member_id)
@@ -150,10 +164,7 @@ class CoordinatorApi:
         member_id = body["member"]
         seen = body.get("seen") or {}
         deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
-        transport = request.transport
-        self._idle_connections.pop(member_id, None)
-        if transport is not None:
-            self._heartbeat_connections[member_id] = transport
+        transport = self._watch_line(member_id, request)
         progress = body.get("progress")
         self.state.heartbeat(
             member_id,
@@ -172,13 +183,13 @@ class CoordinatorApi:
                 view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (view != seen and self._news(member_id, view, seen)):
-                    if transport is not None and self._heartbeat_connections.get(member_id) is transport:
-                        self._idle_connections[member_id] = transport  # watched by looking until the next poll
                     return self._reply(view)
                 await self._wait_change(remaining, member_id)
         except asyncio.CancelledError:
-            self._connection_closed(member_id)
+            self._line_closed(member_id, transport)
             raise
+        finally:
+            self._line_idle(member_id, transport)
 
     def _news(self, member_id: str, view: dict[str, Any], seen: dict[str, Any]) -> bool:
         """Whether ``view`` tells the member something its own join does not: a held heartbeat
@@ -203,50 +214,6 @@ class CoordinatorApi:
                 continue
             return True
         return False
-
-    def _check_connections(self, members: Any = None) -> None:
-        """Every member (of ``members``; None: all) whose newest heartbeat connection has closed
-        since (found between long polls, when no handler runs for it: a peer's failure report
-        may have ended its poll). A full check also forgets the connections of forgotten members."""
-        if members is None:
-            for member_id in [m for m in self._heartbeat_connections if m not in self.state.members]:
-                del self._heartbeat_connections[member_id]
-                self._idle_connections.pop(member_id, None)
-            members = list(self._heartbeat_connections)
-        for member_id in members:
-            transport = self._heartbeat_connections.get(member_id)
-            member = self.state.members.get(member_id)
-            if transport is None or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
-                # nothing to watch: a closing connection of a member that is not live changes nothing
-                self._idle_connections.pop(member_id, None)
-                if transport is not None and transport.is_closing():
-                    self._heartbeat_connections.pop(member_id, None)
-            elif transport.is_closing():
-                self._connection_closed(member_id)
-
-    def _check_generation_connections(self) -> None:
-        """The current generation's connections: after a failure report, one of them may be a
-        dead member's whose poll the report's wake-up just ended. O(generation), once a break."""
-        current = self.state.current
-        self._check_connections(current.members if current is not None else [])
-
-    def _connection_closed(self, member_id: str) -> None:
-        """A member's heartbeat connection closed: its process is gone (the kernel closed its
-        sockets), or its host is; a live member keeps it open (its heartbeat thread reopens one
-        only after a request failed, which the coordinator's own stall would cause). Dead at
-        once, not after the heartbeat timeout. A stopped process or a host without power closes
-        nothing: for those the heartbeat timeout still decides."""
-        self._heartbeat_connections.pop(member_id, None)
-        self._idle_connections.pop(member_id, None)
-        member = self.state.members.get(member_id)
-        if self._stopped.is_set() or member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
-            return
-        reason = CONNECTION_CLOSED
-        if self.state.mark_dead(member_id, reason, time.monotonic()):
-            log.warning("member %s declared dead: %s", member_id, reason)
-            self.events.emit("verdict", member=member_id, detected_by="connection", reason=reason)
-            self.metrics.failure("connection")
-            self._bump()
 
     async def _failure(self, request):
         body = await self._json(request)

@@ -6,6 +6,7 @@ worker's import stays light and no event loop runs inside the training process.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -14,6 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from unbroken.coordinator.member_line import LINE_PATHS, MemberLine
 from unbroken.errors import CoordinatorUnreachable, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class CoordinatorClient:
     (``coordinators``) is added, so workers that were told of one candidate fail over to any
     new leader without anybody telling them."""
 
-    def __init__(self, address: str, timeout: float = 30.0, token: str | None = None) -> None:
+    def __init__(self, address: str, timeout: float = 30.0, token: str | None = None, one_line: bool = False) -> None:
         self.addresses = [parse_address(a) for a in address.split(",") if a.strip()]
         if not self.addresses:
             raise ValueError(f"coordinator address must look like HOST:PORT[,HOST:PORT...], got {address!r}")
@@ -58,6 +60,10 @@ class CoordinatorClient:
         written before its death verdict for a fresh lease."""
         self._local = threading.local()
         self._learned = threading.Lock()
+        self.line = MemberLine() if one_line else None
+        """A worker's client (``one_line``): heartbeats and joins share one connection, every other
+        request gets one of its own (:mod:`unbroken.coordinator.member_line`). Else each thread
+        keeps a keep-alive connection of its own (a launcher, ``unbroken status``)."""
 
     def learn(self, addresses: list[str], leader: str | None = None) -> tuple[str, int] | None:
         """Add candidates this client did not know; go to ``leader`` next if one is named.
@@ -78,14 +84,19 @@ class CoordinatorClient:
             self.host, self.port = known
             return known
 
-    def _connection(self, read_timeout: float) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
+    def _connection(self, read_timeout: float, line: MemberLine | None, transient: bool) -> http.client.HTTPConnection:
+        """The connection for one request: the member's line, a connection of its own that is
+        closed after the reply (``transient``), or this thread's keep-alive connection."""
+        conn = None if transient else line.conn if line is not None else getattr(self._local, "conn", None)
         if conn is not None and (conn.host, conn.port) != (self.host, self.port):
-            self._drop()  # another thread moved on to another candidate
+            self._drop(line)  # another thread moved on to another candidate
             conn = None
         if conn is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=read_timeout)
-            self._local.conn = conn
+            if line is not None:
+                line.conn = conn
+            elif not transient:
+                self._local.conn = conn
         conn.timeout = read_timeout
         if conn.sock is not None:
             conn.sock.settimeout(read_timeout)
@@ -109,46 +120,77 @@ class CoordinatorClient:
         if leader is None or leader == target:
             self._next_candidate(target)
 
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
+    def _drop(self, line: MemberLine | None = None) -> None:
+        conn = line.conn if line is not None else getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
-        self._local.conn = None
+        if line is not None:
+            line.conn = None
+        else:
+            self._local.conn = None
+
+    def joining(self) -> contextlib.AbstractContextManager[None]:
+        """While the member joins, its heartbeats leave the line to its joins (:class:`MemberLine`)."""
+        return self.line.joining() if self.line is not None else contextlib.nullcontext()
+
+    def paused_joining(self) -> contextlib.AbstractContextManager[None]:
+        """Inside :meth:`joining`, heartbeats take the line again meanwhile (a heal)."""
+        return self.line.paused_joining() if self.line is not None else contextlib.nullcontext()
+
+    def sent_at(self) -> float:
+        """When (monotonic) this thread's newest request was sent (after waiting for the line)."""
+        return getattr(self._local, "sent", time.monotonic())
+
+    def _exchange(self, method: str, path: str, payload: bytes, read_timeout: float, line: MemberLine | None,
+                  transient: bool) -> dict[str, Any]:
+        """One attempt: send, read the reply, judge its status. The caller holds ``line``'s turn."""
+        target = (self.host, self.port)
+        conn = self._connection(read_timeout, line, transient)
+        try:
+            sent = self._local.sent = time.monotonic()
+            headers = {**self._headers, "Connection": "close"} if transient else self._headers
+            conn.request(method, path, body=payload if method == "POST" else None, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException):
+            if transient:
+                conn.close()
+            else:
+                self._drop(line)
+            self._next_candidate(target)
+            raise
+        if transient:
+            conn.close()
+        if response.status == 401:
+            raise Unauthorized(
+                f"coordinator at {self.host}:{self.port} refused {path}: missing or wrong token"
+                " (pass --token or set UNBROKEN_TOKEN to the job's token)"
+            )
+        if response.status == 503:
+            if not transient:
+                self._drop(line)
+            self._follow(data, target)
+            raise _NotLeading(data[:200].decode(errors="replace"))
+        if response.status != 200:
+            raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
+        self.last_ok = max(self.last_ok, sent)
+        reply = json.loads(data)
+        if isinstance(reply, dict) and isinstance(reply.get("coordinators"), list):
+            self.learn(reply["coordinators"])
+        return reply
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None, read_timeout: float = 10.0) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout
         delay = 0.02
         last: Exception | None = None
         payload = json.dumps(body or {}).encode()
+        line = self.line if self.line is not None and path in LINE_PATHS else None
+        transient = self.line is not None and line is None
         while True:
-            target = (self.host, self.port)
             try:
-                conn = self._connection(read_timeout)
-                sent = time.monotonic()
-                conn.request(method, path, body=payload if method == "POST" else None, headers=self._headers)
-                response = conn.getresponse()
-                data = response.read()
-                if response.status == 401:
-                    raise Unauthorized(
-                        f"coordinator at {self.host}:{self.port} refused {path}: missing or wrong token"
-                        " (pass --token or set UNBROKEN_TOKEN to the job's token)"
-                    )
-                if response.status == 503:
-                    self._follow(data, target)
-                    raise _NotLeading(data[:200].decode(errors="replace"))
-                if response.status != 200:
-                    raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
-                self.last_ok = max(self.last_ok, sent)
-                reply = json.loads(data)
-                if isinstance(reply, dict) and isinstance(reply.get("coordinators"), list):
-                    self.learn(reply["coordinators"])
-                return reply
-            except _NotLeading as exc:
-                self._drop()
-                last = exc
-            except (OSError, http.client.HTTPException) as exc:
-                self._drop()
-                self._next_candidate(target)
+                with line.turn(path) if line is not None else contextlib.nullcontext():
+                    return self._exchange(method, path, payload, read_timeout, line, transient)
+            except (_NotLeading, OSError, http.client.HTTPException) as exc:
                 last = exc
             if time.monotonic() >= deadline:
                 raise CoordinatorUnreachable(
@@ -221,7 +263,7 @@ class Heartbeat:
         self._stop.set()
 
     def _run(self) -> None:
-        hold = self.interval
+        hold = 0.0  # the first poll is answered at once: the member joins next, on the same line
         while not self._stop.is_set():
             sent = time.monotonic()
             try:
@@ -244,6 +286,7 @@ class Heartbeat:
                 log.debug("heartbeat failed: %s", exc)
                 self._stop.wait(self.interval)
                 continue
+            sent = self.client.sent_at()  # it may have waited for the line while the member joined
             if time.monotonic() - sent > self.max_age:
                 log.info("dropped a heartbeat reply %.1f s old", time.monotonic() - sent)
                 continue
@@ -258,10 +301,11 @@ class Heartbeat:
                 # again at once: held for equal times, their polls would come back in one burst
                 # every interval ever after. A random hold for the next one spreads them out.
                 hold = self.interval * random.uniform(*NEWS_HOLD)
-                if view.get("broken") or view.get("reconfigure"):
+                if view.get("broken") or view.get("reconfigure") or view.get("state") != "active":
                     # The member is about to join, and its join keeps it alive: a poll sent now
                     # would only wait at the coordinator through the re-formation and be woken by
-                    # it for nothing. Polling after a random pause instead halved the re-formation
+                    # it for nothing, and hold the line that the join needs (a join waits for the
+                    # poll in flight). Polling after a random pause instead halved the re-formation
                     # of 4,000 simulated members that all join (bench_coordinator --survivors
                     # computing: 1.3 -> 0.7 s). A death meanwhile still closes the connection.
                     self._stop.wait(hold)

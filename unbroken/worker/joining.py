@@ -7,8 +7,8 @@ not take this member), builds the new generation's process group over the coordi
 has it healed, and keeps it until the generation breaks (:meth:`Joiner.abandon`), asks to be
 re-formed (:meth:`Joiner.close_group`) or the job ends (:meth:`Joiner.leave`). Between those,
 :meth:`Joiner.abandon_reason` says whether the generation still holds: no reply within the lease,
-a verdict, a newer generation or a restarted coordinator each end it (step 1 of the protocol, "No stale
-writes").
+a verdict, a newer generation or a restarted coordinator each end it (step 1 of the protocol). Its
+heartbeats and joins share one connection (:mod:`unbroken.coordinator.member_line`).
 
 Its parts of their own: whether the generation holds (:mod:`unbroken.worker.generation_lease`), what a
 join carries and what its answer means (:mod:`unbroken.worker.join_request`), the pieces a generation's
@@ -95,7 +95,7 @@ class Joiner:
             # moves only while every process of the group moves
             group.start(job._progress, settings.heartbeat_interval, self._on_view)
         if group is None or group.leader:
-            self.client = CoordinatorClient(settings.coordinator, settings.coordinator_timeout, settings.token)
+            self.client = CoordinatorClient(settings.coordinator, settings.coordinator_timeout, settings.token, one_line=True)
             self.heartbeat = Heartbeat(self.client, job.member_id, settings.heartbeat_interval, self._on_view, max_age=settings.lease)
             self.heartbeat.progress = job._progress if group is None else group.relay.group_progress
             self.heartbeat.pace = job._pacing.summary
@@ -190,24 +190,27 @@ class Joiner:
         self._warm_before_joining(group)
         catch = self._start_catch_up(group)
         job_never_joined = catch is not None  # a newcomer that caught up but never trained in a generation
-        while True:
-            reply = self._ask_to_join(catch.address if catch is not None and catch.wanted() else None)
-            if catch is not None and reply["status"] in ("formed", "finished", "failed"):
-                catch.finish(self.job.settings.collective_timeout)  # the rest of the stream, before any heal
-                catch = None
-            if reply["status"] == "finished":
-                self._relay(reply)
-                return self._finished_without_us(never_joined=job_never_joined)
-            self._refuse_on(reply)
-            if reply["status"] != "formed":
-                if time.monotonic() > deadline:
-                    raise UnbrokenError(
-                        f"no generation formed within join_timeout={self.job.settings.join_timeout:.0f} s; the coordinator"
-                        " may be waiting for more members than have started (see `unbroken status HOST:PORT`)"
-                    )
-                continue
-            if self._form(self._relay(reply)):
-                return True
+        with self.client.joining():  # joins take the line back to back; heartbeats resume for a heal
+            while True:
+                reply = self._ask_to_join(catch.address if catch is not None and catch.wanted() else None)
+                if catch is not None and reply["status"] in ("formed", "finished", "failed"):
+                    with self.client.paused_joining():
+                        catch.finish(self.job.settings.collective_timeout)  # the rest of the stream, before any heal
+                    catch = None
+                if reply["status"] == "finished":
+                    self._relay(reply)
+                    return self._finished_without_us(never_joined=job_never_joined)
+                self._refuse_on(reply)
+                if reply["status"] != "formed":
+                    if time.monotonic() > deadline:
+                        raise UnbrokenError(
+                            f"no generation formed within join_timeout={self.job.settings.join_timeout:.0f} s; the coordinator"
+                            " may be waiting for more members than have started (see `unbroken status HOST:PORT`)"
+                        )
+                    continue
+                with self.client.paused_joining():
+                    if self._form(self._relay(reply)):
+                        return True
 
     def _warm_before_joining(self, group: Any) -> None:
         """A fresh process joining a running job: allocate and touch its optimizer state now, while

@@ -115,8 +115,8 @@ def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits
     from unbroken.coordinator.client import NEWS_HOLD
 
     interval = 0.4
-    formed = {"generation": 1, "broken": False, "reconfigure": False}
-    broken = {"generation": 1, "broken": True, "reconfigure": True}
+    formed = {"generation": 1, "broken": False, "reconfigure": False, "state": "active"}
+    broken = {"generation": 1, "broken": True, "reconfigure": True, "state": "active"}
     handler = type("Handler", (_ScriptedCoordinator,), {"script": [formed, formed, broken, broken], "requests": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -132,7 +132,7 @@ def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits
         server.shutdown()
         server.server_close()
     low, high = (interval * f for f in NEWS_HOLD)
-    assert hold0 == interval
+    assert hold0 == 0  # the first poll comes back at once: the member's join needs the line next
     # news (the first view): the next poll goes at once, held a random part of the interval
     assert t1 - t0 < low and low <= hold1 <= high
     # no news: a full hold
@@ -140,6 +140,33 @@ def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits
     # its generation broke (it is about to join): the next poll waits that random part first
     assert low <= t3 - t2 <= high + 0.2 and hold3 == interval
     assert t4 - t3 < low and hold4 == interval  # the view did not change again
+
+
+def test_a_view_that_is_not_active_makes_the_next_poll_wait_first_leaving_the_line_to_the_join():
+    # declared dead (it was stopped past its heartbeat timeout), the member rejoins next: a poll
+    # held meanwhile would hold the line its join needs (seen in CI: the rejoin came too late)
+    from unbroken.coordinator.client import NEWS_HOLD
+
+    interval = 0.4
+    active = {"generation": 1, "broken": False, "reconfigure": False, "state": "active"}
+    dead = {"generation": 1, "broken": False, "reconfigure": False, "state": "dead"}
+    handler = type("Handler", (_ScriptedCoordinator,), {"script": [active, dead, dead], "requests": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    beat = Heartbeat(CoordinatorClient(f"127.0.0.1:{server.server_address[1]}", timeout=5), "a", interval=interval, on_change=lambda view: None)
+    beat.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(handler.requests) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (t0, _), (t1, _), (t2, _) = handler.requests[:3]
+    finally:
+        beat.stop()
+        server.shutdown()
+        server.server_close()
+    low = interval * NEWS_HOLD[0]
+    assert t1 - t0 < low  # active: the next poll at once
+    assert t2 - t1 >= low  # dead: a pause first
 
 
 def test_the_heartbeat_renews_the_lease_only_after_the_view_that_came_with_it_is_taken():

@@ -293,6 +293,8 @@ def test_leaving_without_finishing_breaks_the_generation():
 
 
 class _Request:
+    transport = None  # no connection to watch
+
     def __init__(self, body: dict) -> None:
         self._body = body
 
