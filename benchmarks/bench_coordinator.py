@@ -1,14 +1,21 @@
 """The coordinator under thousands of simulated members (issue 14).
 
     python benchmarks/bench_coordinator.py [--members 250 1000 4000] [--interval 2.0] [--steady 6]
-                                           [--before REV] [--json]
+                                           [--processes P] [--before REV] [--json]
 
 A real coordinator runs in a subprocess (its CPU time read from /proc, its event loop's lateness
-recorded from inside by a 10 ms ticker). This process simulates ``N`` members with asyncio, no
-torch, each speaking the coordinator's real HTTP API over a connection of its own, as a worker's
-heartbeat thread and main thread do: a heartbeat long poll held ``--interval`` seconds and
+recorded from inside by a 10 ms ticker). ``P`` simulator processes (benchmarks/coordinator_sim.py;
+by default enough that none simulates more than 4,096 members) simulate ``N`` members with asyncio,
+each a contiguous slice of them, no torch. Each member speaks the coordinator's real HTTP API over
+ONE keep-alive connection, as a worker does: a heartbeat long poll held ``--interval`` seconds and
 answered at once when the member's view changes, and a join whenever its generation is broken or
-someone waits. Per size:
+someone waits. They take turns on that connection: from the member's decision to join until a
+join reply says it formed, its joins go back to back (after a poll in flight came back) and it
+sends no heartbeat. So the coordinator holds one connection per member, and no process holds more
+than its slice's (the open-file limit, often 20,000 a process, allowed no 16,000 members at two
+connections each in one process). This process orchestrates the phases over the simulators'
+stdin and stdout (one JSON object a line); ``time.monotonic()`` is the same clock in all of them.
+Per size:
 
 1. formation: all ``N`` join at once; seconds until every member holds the first generation;
 2. steady state for ``--steady`` seconds: coordinator CPU per heartbeat and per second, how late
@@ -22,8 +29,9 @@ someone waits. Per size:
 ``--json`` prints one JSON object per run instead, with (among others) ``heartbeat_p99_ms`` (how
 late the slowest 1% of held heartbeats came back beyond their hold, steady state),
 ``coordinator_cpu_s_per_s``, ``cpu_us_per_member_s`` and ``reform_s`` (the kill to the next
-generation announced to every survivor). Writes benchmarks/results/coordinator.json.
-tests/unit/test_bench_coordinator.py runs it at 20 members in CI.
+generation announced to every survivor, from the kill in the simulator that held the victim to the
+last survivor's formation in any of them) and ``processes``. Writes benchmarks/results/coordinator.json.
+tests/unit/test_bench_coordinator.py runs it at 20 members, in one and in two processes, in CI.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import asyncio
 import json
 import os
 import random
+import select
 import subprocess
 import sys
 import tempfile
@@ -88,41 +97,13 @@ def worst_lag(lag_file: str, start: float, end: float) -> float:
     return worst
 
 
-# -- the simulated members -----------------------------------------------------------------------
+# -- the simulated members (child processes running coordinator_sim.py) -------------------------
 
 
-class Connection:
-    """A minimal HTTP/1.1 keep-alive client over asyncio streams: aiohttp's client costs the
-    simulator several times the coordinator's CPU per request, and would measure itself."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, body: dict) -> tuple[dict, int]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        payload = json.dumps(body).encode()
-        self.writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
-        try:
-            head = await self.reader.readuntil(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-            data = await self.reader.readexactly(length)
-        except BaseException:
-            self.close()
-            raise
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise ConnectionError(head.split(b"\r\n", 1)[0].decode())
-        return json.loads(data), len(data)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+SIMULATOR = os.path.join(ROOT, "benchmarks", "coordinator_sim.py")
+SLICE = 4096
+"""Members one simulator process holds at most by default (one connection each, well below the
+open-file limits, and a share of the CPU an asyncio loop keeps up with)."""
 
 
 def news_hold() -> tuple[float, float]:
@@ -134,142 +115,87 @@ def news_hold() -> tuple[float, float]:
     return NEWS_HOLD
 
 
-class Member:
-    def __init__(self, sim: "Simulation", index: int) -> None:
-        self.sim = sim
-        self.id = f"node{index // 8}.w{index % 8}.sim"
-        # two connections, as a worker's heartbeat thread and main thread each keep one
-        self.beat = Connection(sim.port)
-        self.main = Connection(sim.port)
-        self.generation = 0
-        self.view: dict = {}
-        self.formed: dict[int, float] = {}
-        self.rejoin = asyncio.Event()
-        self.rejoin.set()
-        self.tasks: list[asyncio.Task] = []
+class Simulator:
+    """A child process simulating the members ``first .. first + count - 1``, spoken to in JSON
+    lines over its stdin and stdout; it ends when its stdin closes (when this process ends or dies)."""
 
-    def start(self) -> None:
-        self.tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._joins())]
+    def __init__(self, config: dict) -> None:
+        self.first, self.count = config["first"], config["count"]
+        self.process = subprocess.Popen([sys.executable, SIMULATOR], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.buffer = bytearray()
 
-    async def kill(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        self.beat.close()  # the kernel closes a dead process's sockets
-        self.main.close()
+    def holds(self, index: int) -> bool:
+        return self.first <= index < self.first + self.count
 
-    async def _heartbeats(self) -> None:
-        sim = self.sim
-        hold = sim.interval
-        while True:
-            sent = time.monotonic()
-            try:
-                view, _ = await self.beat.post(
-                    "/v1/heartbeat",
-                    {"member": self.id, "step": 0, "progress": 0, "warm": True, "seen": self.view, "hold": hold, "blocked_on": sim.blocked_on},
-                )
-            except Exception:
-                sim.errors += 1
-                await asyncio.sleep(sim.interval)
-                continue
-            now = time.monotonic()
-            sim.heartbeats += 1
-            if view == self.view and sim.measuring:
-                sim.lateness.append(now - sent - hold)
-            hold = sim.interval
-            changed = view != self.view
-            if changed:
-                hold = sim.interval * random.uniform(*sim.news_hold)  # as the worker's heartbeat thread does
-            self.view = view
-            generation = view.get("generation", 0)
-            if generation > self.generation and view.get("state") == "active" and view.get("rank") is not None and not view.get("broken"):
-                # formed into it without joining (it waited in the broken generation's allreduce)
-                self.generation = generation
-                self.formed.setdefault(generation, now)
-                self.rejoin.clear()
-            elif generation == self.generation and (view.get("broken") or view.get("reconfigure")):
-                self.rejoin.set()
-            if changed and (view.get("broken") or view.get("reconfigure")):  # as the worker's heartbeat thread does
-                await asyncio.sleep(hold)
-                hold = sim.interval
+    def send(self, message: dict) -> None:
+        self.process.stdin.write((json.dumps(message) + "\n").encode())
+        self.process.stdin.flush()
 
-    async def _joins(self) -> None:
-        sim = self.sim
-        while True:
-            await self.rejoin.wait()
-            while True:
-                try:
-                    reply, size = await self.main.post(
-                        "/v1/join",
-                        {"member": self.id, "node": "sim", "pid": 1, "step": 0, "after": self.generation, "warm": True, "lean": True},
-                    )
-                except Exception:  # a refused or reset connection: retry, as CoordinatorClient does
-                    sim.errors += 1
-                    await asyncio.sleep(0.1)
-                    continue
-                sim.joins += 1
-                if reply["status"] == "formed":
-                    sim.formed_bytes[reply["generation"]] = sim.formed_bytes.get(reply["generation"], 0) + size
-                    self.generation = max(self.generation, reply["generation"])
-                    self.formed.setdefault(reply["generation"], time.monotonic())
-                    self.rejoin.clear()
-                    break
+    def receive(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the simulator of members {self.first}.. did not answer in {timeout:.0f} s")
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"the simulator of members {self.first}.. exited ({self.process.wait()})")
+                self.buffer += chunk
+        line, _, rest = bytes(self.buffer).partition(b"\n")
+        self.buffer = bytearray(rest)
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.send({"do": "quit"})
+            self.process.stdin.close()
+        except OSError:  # already gone
+            pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
-class Simulation:
-    def __init__(self, port: int, interval: float, survivors: str = "waiting") -> None:
-        self.port = port
-        self.interval = interval
-        self.news_hold = news_hold()
-        self.blocked_on = "allreduce" if survivors == "waiting" else None
-        """What each member reports waiting in: the step's allreduce (``--survivors waiting``, where
-        a data-parallel job's survivors are when a member dies), or nothing (``computing``)."""
-        self.heartbeats = 0
-        self.joins = 0
-        self.errors = 0
-        self.measuring = False
-        self.lateness: list[float] = []
-        self.formed_bytes: dict[int, int] = {}
+def ask(simulators: list[Simulator], message: dict, timeout: float) -> list[dict]:
+    """Send ``message`` to every simulator, then read each one's answer."""
+    for simulator in simulators:
+        simulator.send(message)
+    return [simulator.receive(timeout) for simulator in simulators]
 
 
-async def wait_all_formed(members: list[Member], generation: int, limit: float) -> float | None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if all(generation in m.formed for m in members):
-            return max(m.formed[generation] for m in members)
-        await asyncio.sleep(0.02)
-    return None
-
-
-async def simulate(
-    n: int, port: int, pid: int, lag_file: str, interval: float, steady: float, limit: float, survivors: str = "waiting"
-) -> dict:
-    sim = Simulation(port, interval, survivors)
-    members = [Member(sim, i) for i in range(n)]
+def simulate(simulators: list[Simulator], n: int, pid: int, lag_file: str, interval: float, steady: float, limit: float, survivors: str) -> dict:
+    slack = 30.0  # beyond a simulator's own limit, before this process stops waiting for it
     started = time.monotonic()
-    for member in members:
-        member.start()
-    formed_at = await wait_all_formed(members, 1, limit)
-    result: dict = {"members": n, "interval_s": interval, "survivors": survivors, "form_s": round(formed_at - started, 3) if formed_at else None}
+    for simulator in simulators:
+        simulator.send({"do": "start"})
+    replies = ask(simulators, {"do": "await", "generation": 1, "limit": limit}, limit + slack)
+    formed_at = None if any(r["at"] is None for r in replies) else max(r["at"] for r in replies)
+    result: dict = {"members": n, "processes": len(simulators), "interval_s": interval, "survivors": survivors,
+                    "form_s": round(formed_at - started, 3) if formed_at else None}
     if formed_at is None:
-        held = sum(1 in m.formed for m in members)
+        held = sum(r["held"] for r in replies)
         print(f"{n} members: {held} held the first generation after {limit:.0f} s; giving up", file=sys.stderr, flush=True)
         result["form_cpu_s"] = round(cpu_seconds(pid), 1)
-        await asyncio.gather(*(m.kill() for m in members))
         return result
     # The heartbeats of a freshly formed generation come in bursts, one per interval: measure
     # whole intervals, starting between two bursts, or the counts alias.
-    await asyncio.sleep(max(0.0, formed_at + 2.5 * interval - time.monotonic()))
+    time.sleep(max(0.0, formed_at + 2.5 * interval - time.monotonic()))
     steady = max(1, round(steady / interval)) * interval
 
-    cpu0, beats0, t0 = cpu_seconds(pid), sim.heartbeats, time.monotonic()
-    sim.measuring = True
-    await asyncio.sleep(steady)
-    sim.measuring = False
-    cpu1, beats1, t1 = cpu_seconds(pid), sim.heartbeats, time.monotonic()
-    beats = beats1 - beats0
-    lateness = sorted(sim.lateness)
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    for simulator in simulators:
+        simulator.send({"do": "measure"})
+    time.sleep(steady)
+    windows = ask(simulators, {"do": "stop"}, slack)
+    cpu1, t1 = cpu_seconds(pid), time.monotonic()
+    beats = sum(w["heartbeats"] for w in windows)
+    lateness = sorted(x for w in windows for x in w["lateness"])  # every sample: exact percentiles
     result.update(
-        heartbeats_per_s=round(beats / (t1 - t0)),
+        heartbeats_per_s=round(sum(w["heartbeats"] / w["seconds"] for w in windows)),
         coordinator_cpu_s_per_s=round((cpu1 - cpu0) / (t1 - t0), 3),
         cpu_us_per_member_s=round(1e6 * (cpu1 - cpu0) / (t1 - t0) / n, 1),
         cpu_us_per_heartbeat=round(1e6 * (cpu1 - cpu0) / max(beats, 1), 1),
@@ -278,27 +204,28 @@ async def simulate(
         steady_loop_lag_max_ms=round(1000 * worst_lag(lag_file, t0, t1), 1),
     )
 
-    victim = random.Random(n).choice(members)
-    survivors = [m for m in members if m is not victim]
-    cpu0, killed = cpu_seconds(pid), time.monotonic()
-    requests0 = sim.heartbeats + sim.joins
-    await victim.kill()
-    announced = await wait_all_formed(survivors, 2, limit)
+    victim = random.Random(n).choice(range(n))  # the member random.Random(n).choice(members) picked
+    holder = next(s for s in simulators if s.holds(victim))
+    ask(simulators, {"do": "mark"}, slack)  # every simulator counts its requests from here
+    cpu0 = cpu_seconds(pid)
+    holder.send({"do": "kill", "index": victim})
+    killed = holder.receive(slack)["killed"]
+    replies = ask(simulators, {"do": "await", "generation": 2, "limit": limit}, limit + slack)
     done = time.monotonic()
-    requests = sim.heartbeats + sim.joins - requests0
+    announced = None if any(r["at"] is None for r in replies) else max((r["at"] for r in replies if r["live"]), default=None)
     result.update(
-        reform_requests_per_member=round(requests / max(len(survivors), 1), 2),
+        reform_requests_per_member=round(sum(r["requests"] for r in replies) / max(n - 1, 1), 2),
         reform_s=round(announced - killed, 3) if announced else None,
         reform_cpu_s=round(cpu_seconds(pid) - cpu0, 3),
         reform_loop_lag_max_ms=round(1000 * worst_lag(lag_file, killed, done), 1),
-        formed_reply_bytes=sim.formed_bytes.get(2, 0),
-        request_errors=sim.errors,
+        formed_reply_bytes=sum(r["formed_bytes"] for r in replies),
+        request_errors=sum(r["errors"] for r in replies),
     )
-    await asyncio.gather(*(m.kill() for m in survivors))
     return result
 
 
 def run_size(n: int, args, src: str) -> dict:
+    processes = max(1, min(n, getattr(args, "processes", None) or -(-n // SLICE)))
     with tempfile.TemporaryDirectory() as tmp:
         lag_file = os.path.join(tmp, "lag")
         env = {**os.environ, "PYTHONPATH": src}
@@ -309,10 +236,22 @@ def run_size(n: int, args, src: str) -> dict:
             env=env,
             cwd=tmp,
         )
+        simulators: list[Simulator] = []
         try:
             port = int(server.stdout.readline())
-            return asyncio.run(simulate(n, port, server.pid, lag_file, args.interval, args.steady, args.limit, args.survivors))
+            hold = news_hold()
+            for k in range(processes):
+                first, end = k * n // processes, (k + 1) * n // processes
+                config = {"port": port, "first": first, "count": end - first, "interval": args.interval,
+                          "survivors": args.survivors, "news_hold": list(hold)}
+                simulators.append(Simulator(config))
+                simulators[-1].send(config)
+            for simulator in simulators:
+                simulator.receive(60.0)  # ready: every one is up before the members start
+            return simulate(simulators, n, server.pid, lag_file, args.interval, args.steady, args.limit, args.survivors)
         finally:
+            for simulator in simulators:
+                simulator.close()
             server.stdin.close()
             server.terminate()
             server.wait(10)
@@ -353,6 +292,9 @@ def main() -> None:
         default="waiting",
         help="where the survivors are when a member dies: waiting in the step's allreduce (as they report in their heartbeats;"
         " formed into the next generation without joining) or computing (each comes to join)",
+    )
+    parser.add_argument(
+        "--processes", type=int, help=f"simulator processes (default: enough that none simulates more than {SLICE} members)"
     )
     parser.add_argument("--before", help="also run against the coordinator of this git revision")
     parser.add_argument("--json", action="store_true")

@@ -12,14 +12,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("survivors", ["waiting", "computing"])
-def test_twenty_simulated_members_form_heartbeat_and_reform_after_a_kill(survivors):
+@pytest.mark.parametrize(
+    "survivors, processes",
+    # 2: the members split between two simulator processes, the phases orchestrated over pipes
+    [("waiting", 1), ("computing", 1), ("computing", 2)],
+)
+def test_twenty_simulated_members_form_heartbeat_and_reform_after_a_kill(survivors, processes):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import bench_coordinator
     finally:
         sys.path.pop(0)
-    args = argparse.Namespace(interval=0.5, timeout=10.0, steady=1.0, limit=20.0, survivors=survivors)
+    args = argparse.Namespace(interval=0.5, timeout=10.0, steady=1.0, limit=20.0, survivors=survivors, processes=processes)
     row = bench_coordinator.run_size(20, args, ROOT)
     # docs/guide/scale.md: 100 members form in 0.05-0.07 s and re-form in 0.03-0.05 s; 20 measured
     # 0.01-0.06 s and 0.005-0.025 s here with the other core busy. The bounds leave room for a
@@ -27,6 +31,7 @@ def test_twenty_simulated_members_form_heartbeat_and_reform_after_a_kill(survivo
     # the figures themselves are bench_coordinator.py's.
     assert row["form_s"] is not None and row["form_s"] < 0.5, row
     assert row["reform_s"] is not None and row["reform_s"] < 0.25, row
+    assert row["processes"] == processes
     assert row["heartbeats_per_s"] > 0 and row["request_errors"] == 0
     assert row["heartbeat_p99_ms"] is not None and row["coordinator_cpu_s_per_s"] > 0 and row["cpu_us_per_member_s"] > 0
     if survivors == "waiting":
