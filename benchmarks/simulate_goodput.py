@@ -123,10 +123,10 @@ class Inputs:
     unbroken_hang_s: float = _in(3.0, "s", "measured here", "the default heartbeat timeout: a hang stalled 1.83 s "
                                  "at `--heartbeat-timeout 2` (`python benchmarks/bench_failures.py`)")
     unbroken_reform_s: tuple = _in(
-        ((128, 0.02), (256, 0.02), (1000, 0.34), (4000, 1.77), (8000, 2.88)), "(members, s)", "measured here",
+        ((128, 0.02), (256, 0.02), (1000, 0.12), (4096, 0.66), (8192, 1.82), (16384, 4.66)), "(members, s)", "measured here",
         "a member killed -> every survivor re-formed, heartbeat interval 2 s, 2 shared cores (`python "
-        "benchmarks/bench_coordinator.py --members 128 256`, `--members 1000 4000`, then `--members 8000`; "
-        "docs/guide/scale.md); linear between, extrapolated beyond 8,000; a replica group is one member")
+        "benchmarks/bench_coordinator.py --members 128 256`, then `--members 1000 4096 8192 16384`; "
+        "docs/guide/scale.md); linear between, extrapolated beyond 16,384; a replica group is one member")
     unbroken_rejoin_s: float = _in(3.92, "s", "measured here", f"restarted process -> its first commit ({COMPARE})")
     unbroken_catch_up_stall_s: float = _in(CATCH_UP_STALL, "s", "measured here", "what a rejoin costs the survivors beyond "
                                            "a step, the newcomer caught up while they trained; 1 GB of state on 2 CPU "
