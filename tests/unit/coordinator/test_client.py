@@ -111,26 +111,32 @@ class _ScriptedCoordinator(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits_that_long_first():
-    from unbroken.coordinator.client import NEWS_HOLD
-
-    interval = 0.4
-    formed = {"generation": 1, "broken": False, "reconfigure": False, "state": "active"}
-    broken = {"generation": 1, "broken": True, "reconfigure": True, "state": "active"}
-    handler = type("Handler", (_ScriptedCoordinator,), {"script": [formed, formed, broken, broken], "requests": []})
+def _polls(script: list[dict], interval: float, count: int) -> list[tuple[float, float]]:
+    """The first ``count`` heartbeat polls (when, hold) a Heartbeat sends to a coordinator that
+    answers ``script`` in order (its last entry ever after)."""
+    handler = type("Handler", (_ScriptedCoordinator,), {"script": script, "requests": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     beat = Heartbeat(CoordinatorClient(f"127.0.0.1:{server.server_address[1]}", timeout=5), "a", interval=interval, on_change=lambda view: None)
     beat.start()
     try:
         deadline = time.monotonic() + 10
-        while len(handler.requests) < 5 and time.monotonic() < deadline:
+        while len(handler.requests) < count and time.monotonic() < deadline:
             time.sleep(0.01)
-        (t0, hold0), (t1, hold1), (t2, hold2), (t3, hold3), (t4, hold4) = handler.requests[:5]
+        return handler.requests[:count]
     finally:
         beat.stop()
         server.shutdown()
         server.server_close()
+
+
+def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits_that_long_first():
+    from unbroken.coordinator.client import NEWS_HOLD
+
+    interval = 0.4
+    formed = {"generation": 1, "broken": False, "reconfigure": False, "state": "active"}
+    broken = {"generation": 1, "broken": True, "reconfigure": True, "state": "active"}
+    (t0, hold0), (t1, hold1), (t2, hold2), (t3, hold3), (t4, hold4) = _polls([formed, formed, broken, broken], interval, 5)
     low, high = (interval * f for f in NEWS_HOLD)
     assert hold0 == 0  # the first poll comes back at once: the member's join needs the line next
     # news (the first view): the next poll goes at once, held a random part of the interval
@@ -150,20 +156,7 @@ def test_a_view_that_is_not_active_makes_the_next_poll_wait_first_leaving_the_li
     interval = 0.4
     active = {"generation": 1, "broken": False, "reconfigure": False, "state": "active"}
     dead = {"generation": 1, "broken": False, "reconfigure": False, "state": "dead"}
-    handler = type("Handler", (_ScriptedCoordinator,), {"script": [active, dead, dead], "requests": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    beat = Heartbeat(CoordinatorClient(f"127.0.0.1:{server.server_address[1]}", timeout=5), "a", interval=interval, on_change=lambda view: None)
-    beat.start()
-    try:
-        deadline = time.monotonic() + 10
-        while len(handler.requests) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        (t0, _), (t1, _), (t2, _) = handler.requests[:3]
-    finally:
-        beat.stop()
-        server.shutdown()
-        server.server_close()
+    (t0, _), (t1, _), (t2, _) = _polls([active, dead, dead], interval, 3)
     low = interval * NEWS_HOLD[0]
     assert t1 - t0 < low  # active: the next poll at once
     assert t2 - t1 >= low  # dead: a pause first
