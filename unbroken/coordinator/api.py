@@ -108,6 +108,8 @@ class CoordinatorApi(LineWatch):
                                            time.monotonic(), warm, catch_up):
             self.events.emit("join", member=member_id, step=int(body.get("step", 0)))
             self._bump()
+        else:
+            self.state.touch(member_id, time.monotonic())  # its joins are its heartbeats meanwhile
         lean = bool(body.get("lean"))
         hold = body.get("hold")  # shorter than the coordinator's: a member catching up asks again soon
         deadline = time.monotonic() + self._join_hold(hold if isinstance(hold, (int, float)) else None)
@@ -118,6 +120,7 @@ class CoordinatorApi(LineWatch):
             self._line_closed(member_id, transport)
             raise
         finally:
+            self.state.touch(member_id, time.monotonic())  # a join held this long kept it alive
             self._line_idle(member_id, transport)
 
     def _join_hold(self, asked: float | None) -> float:

@@ -30,8 +30,12 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class _NotLeading(Exception):
-    """A coordinator candidate that does not lead answered 503."""
+class _Failed(Exception):
+    """One attempt found its candidate down or not leading (503); ``after`` is where to go next."""
+
+    def __init__(self, reason: str, after: tuple[str, int]) -> None:
+        super().__init__(reason)
+        self.after = after
 
 
 class CoordinatorClient:
@@ -84,31 +88,40 @@ class CoordinatorClient:
             self.host, self.port = known
             return known
 
-    def _connection(self, read_timeout: float, line: MemberLine | None, transient: bool) -> http.client.HTTPConnection:
-        """The connection for one request: the member's line, a connection of its own that is
-        closed after the reply (``transient``), or this thread's keep-alive connection."""
-        conn = None if transient else line.conn if line is not None else getattr(self._local, "conn", None)
+    def _connection(self, read_timeout: float, line: MemberLine | None, target: tuple[str, int] | None) -> http.client.HTTPConnection:
+        """The connection for one request: a connection of its own to ``target`` that is closed
+        after the reply (a transient request), else the member's line or this thread's keep-alive
+        connection, both to the current candidate."""
+        conn = None if target else line.conn if line is not None else getattr(self._local, "conn", None)
         if conn is not None and (conn.host, conn.port) != (self.host, self.port):
             self._drop(line)  # another thread moved on to another candidate
             conn = None
         if conn is None:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=read_timeout)
+            host, port = target or (self.host, self.port)
+            conn = http.client.HTTPConnection(host, port, timeout=read_timeout)
             if line is not None:
                 line.conn = conn
-            elif not transient:
+            elif not target:
                 self._local.conn = conn
         conn.timeout = read_timeout
         if conn.sock is not None:
             conn.sock.settimeout(read_timeout)
         return conn
 
-    def _next_candidate(self, failed: tuple[str, int]) -> None:
-        if len(self.addresses) > 1 and (self.host, self.port) == failed:
-            self._current = (self._current + 1) % len(self.addresses)
-            self.host, self.port = self.addresses[self._current]
+    def _after(self, failed: tuple[str, int]) -> tuple[str, int]:
+        """The candidate to try after ``failed``: the next one in order (the first if unknown)."""
+        addresses = self.addresses
+        return addresses[(addresses.index(failed) + 1) % len(addresses)] if failed in addresses else addresses[0]
 
-    def _follow(self, data: bytes, target: tuple[str, int]) -> None:
-        """After a 503: go to the leader the candidate names, else to the next candidate."""
+    def _next_candidate(self, failed: tuple[str, int]) -> None:
+        """Move the client's current candidate on, unless another request moved it already."""
+        if len(self.addresses) > 1 and (self.host, self.port) == failed:
+            self.host, self.port = self._after(failed)
+            self._current = self.addresses.index((self.host, self.port))
+
+    def _follow(self, data: bytes, target: tuple[str, int], move: bool = True) -> tuple[str, int]:
+        """After a 503: the leader the candidate names, else the next candidate; returned, and made
+        the current candidate (a named leader always is: that is news for every request)."""
         try:
             hint = json.loads(data)
         except ValueError:
@@ -117,8 +130,11 @@ class CoordinatorClient:
             hint = {}
         named = hint.get("leader") if isinstance(hint.get("leader"), str) else None
         leader = self.learn([a for a in hint.get("coordinators") or [] if isinstance(a, str)], named)
-        if leader is None or leader == target:
+        if leader is not None and leader != target:
+            return leader
+        if move:
             self._next_candidate(target)
+        return self._after(target)
 
     def _drop(self, line: MemberLine | None = None) -> None:
         conn = line.conn if line is not None else getattr(self._local, "conn", None)
@@ -142,35 +158,41 @@ class CoordinatorClient:
         return getattr(self._local, "sent", time.monotonic())
 
     def _exchange(self, method: str, path: str, payload: bytes, read_timeout: float, line: MemberLine | None,
-                  transient: bool) -> dict[str, Any]:
-        """One attempt: send, read the reply, judge its status. The caller holds ``line``'s turn."""
-        target = (self.host, self.port)
-        conn = self._connection(read_timeout, line, transient)
+                  own: tuple[str, int] | None) -> dict[str, Any]:
+        """One attempt: send, read the reply, judge its status. The caller holds ``line``'s turn.
+
+        ``own``: a transient request's candidate. Its failure moves only that request on
+        (:class:`_Failed`'s ``after``): moving the client's current candidate would drop the
+        member's line, which the leader takes for the member's death."""
+        target = own or (self.host, self.port)
+        conn = self._connection(read_timeout, line, own)
         try:
             sent = self._local.sent = time.monotonic()
-            headers = {**self._headers, "Connection": "close"} if transient else self._headers
+            headers = {**self._headers, "Connection": "close"} if own else self._headers
             conn.request(method, path, body=payload if method == "POST" else None, headers=headers)
             response = conn.getresponse()
             data = response.read()
-        except (OSError, http.client.HTTPException):
-            if transient:
+        except (OSError, http.client.HTTPException) as exc:
+            if own:
                 conn.close()
             else:
                 self._drop(line)
-            self._next_candidate(target)
-            raise
-        if transient:
+                self._next_candidate(target)
+            # a transient request tries the current candidate next if another request moved on
+            current = (self.host, self.port)
+            after = current if own and current != target else self._after(target)
+            raise _Failed(str(exc) or type(exc).__name__, after) from exc
+        if own:
             conn.close()
         if response.status == 401:
             raise Unauthorized(
-                f"coordinator at {self.host}:{self.port} refused {path}: missing or wrong token"
+                f"coordinator at {target[0]}:{target[1]} refused {path}: missing or wrong token"
                 " (pass --token or set UNBROKEN_TOKEN to the job's token)"
             )
         if response.status == 503:
-            if not transient:
+            if not own:
                 self._drop(line)
-            self._follow(data, target)
-            raise _NotLeading(data[:200].decode(errors="replace"))
+            raise _Failed(data[:200].decode(errors="replace"), self._follow(data, target, move=not own))
         if response.status != 200:
             raise CoordinatorUnreachable(f"coordinator answered {response.status} to {path}: {data[:200]!r}")
         self.last_ok = max(self.last_ok, sent)
@@ -179,19 +201,23 @@ class CoordinatorClient:
             self.learn(reply["coordinators"])
         return reply
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None, read_timeout: float = 10.0) -> dict[str, Any]:
+    def request(self, method: str, path: str, body: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+                read_timeout: float = 10.0) -> dict[str, Any]:
+        """One request, retried until :attr:`timeout`. A callable ``body`` is called for every
+        attempt once the request holds the line, so what it reports is read as late as possible."""
         deadline = time.monotonic() + self.timeout
         delay = 0.02
         last: Exception | None = None
-        payload = json.dumps(body or {}).encode()
         line = self.line if self.line is not None and path in LINE_PATHS else None
-        transient = self.line is not None and line is None
+        own = (self.host, self.port) if self.line is not None and line is None else None
         while True:
             try:
                 with line.turn(path) if line is not None else contextlib.nullcontext():
-                    return self._exchange(method, path, payload, read_timeout, line, transient)
-            except (_NotLeading, OSError, http.client.HTTPException) as exc:
+                    payload = json.dumps((body() if callable(body) else body) or {}).encode()
+                    return self._exchange(method, path, payload, read_timeout, line, own)
+            except _Failed as exc:
                 last = exc
+                own = exc.after if own else None
             if time.monotonic() >= deadline:
                 raise CoordinatorUnreachable(
                     f"coordinator at {self.host}:{self.port} did not answer {path} for {self.timeout:.0f} s ({last})"
@@ -262,26 +288,28 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
+    def _body(self, hold: float) -> Callable[[], dict[str, Any]]:
+        """The poll's body, read when the poll takes the line (it may wait while the member joins):
+        read earlier, it would report a step, a blocking collective or a view already past."""
+        return lambda: dict(
+            member=self.member,
+            step=self.step,
+            blocked_on=self.blocked_on,
+            progress=self.progress(),
+            busy=self.busy,
+            warm=self.warm,
+            pace=self.pace(),
+            seen=self.view,
+            hold=hold,
+        )
+
     def _run(self) -> None:
         hold = 0.0  # the first poll is answered at once: the member joins next, on the same line
         while not self._stop.is_set():
-            sent = time.monotonic()
             try:
-                view = self.client.post(
-                    "/v1/heartbeat",
-                    # the coordinator holds the reply at most `interval`; a longer silence is a lost
-                    # connection (a partition), which must not outlive the member's lease
-                    read_timeout=self.interval + 2.0,
-                    member=self.member,
-                    step=self.step,
-                    blocked_on=self.blocked_on,
-                    progress=self.progress(),
-                    busy=self.busy,
-                    warm=self.warm,
-                    pace=self.pace(),
-                    seen=self.view,
-                    hold=hold,
-                )
+                # the coordinator holds the reply at most `interval`; a longer silence is a lost
+                # connection (a partition), which must not outlive the member's lease
+                view = self.client.request("POST", "/v1/heartbeat", self._body(hold), read_timeout=self.interval + 2.0)
             except Exception as exc:  # the lease check in the runtime decides what this means
                 log.debug("heartbeat failed: %s", exc)
                 self._stop.wait(self.interval)
@@ -290,23 +318,26 @@ class Heartbeat:
             if time.monotonic() - sent > self.max_age:
                 log.info("dropped a heartbeat reply %.1f s old", time.monotonic() - sent)
                 continue
-            hold = self.interval
             changed = view != self.view
             if changed:
                 self.view = view
                 self.on_change(view)
             self.answered = max(self.answered, sent)  # after the view is taken: see `answered`
-            if changed:
+            if view.get("broken") or view.get("reconfigure") or view.get("state") != "active":
+                # The member is about to join (or joins), and its joins keep it alive. A held
+                # poll would only wait at the coordinator through the re-formation, be woken by it
+                # for nothing, and hold the line that the next join needs (a join waits for the
+                # poll in flight, up to a whole hold: seen in CI as a rejoin that came too late).
+                # So until the view is active again the polls come back at once, spaced by a
+                # random pause. Polling after a pause halved the re-formation of 4,000 simulated
+                # members that all join (bench_coordinator --survivors computing: 1.3 -> 0.7 s).
+                # A death meanwhile still closes the connection.
+                hold = 0.0
+                self._stop.wait(self.interval * random.uniform(*NEWS_HOLD))
+            elif changed:
                 # News reaches every member at once (a formation, a verdict), and each polls
                 # again at once: held for equal times, their polls would come back in one burst
                 # every interval ever after. A random hold for the next one spreads them out.
                 hold = self.interval * random.uniform(*NEWS_HOLD)
-                if view.get("broken") or view.get("reconfigure") or view.get("state") != "active":
-                    # The member is about to join, and its join keeps it alive: a poll sent now
-                    # would only wait at the coordinator through the re-formation and be woken by
-                    # it for nothing, and hold the line that the join needs (a join waits for the
-                    # poll in flight). Polling after a random pause instead halved the re-formation
-                    # of 4,000 simulated members that all join (bench_coordinator --survivors
-                    # computing: 1.3 -> 0.7 s). A death meanwhile still closes the connection.
-                    self._stop.wait(hold)
-                    hold = self.interval
+            else:
+                hold = self.interval

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from unbroken.observe.events import EventLog
 
 CONNECTION_CLOSED = "its heartbeat connection closed (its process or host is gone)"
-"""The reason of a verdict on a closed heartbeat connection (replaced by the launcher's, if it
-reports the exit)."""
+"""The reason of a verdict on a closed line (the connection a member's heartbeats and joins share;
+the text predates the line and is kept for those who match it). Replaced by the launcher's reason
+if it reports the exit."""
 
 log = logging.getLogger("unbroken.coordinator.server")  # moved out of the coordinator; its messages keep their logger
 
@@ -58,7 +59,7 @@ class LineWatch:
             self._connection_closed(member_id)
 
     def _check_connections(self, members: Any = None) -> None:
-        """Every member (of ``members``; None: all) whose newest heartbeat connection has closed
+        """Every member (of ``members``; None: all) whose line has closed
         since (found between long polls, when no handler runs for it: a peer's failure report
         may have ended its poll). A full check also forgets the connections of forgotten members."""
         if members is None:
@@ -84,7 +85,7 @@ class LineWatch:
         self._check_connections(current.members if current is not None else [])
 
     def _connection_closed(self, member_id: str) -> None:
-        """A member's heartbeat connection closed: its process is gone (the kernel closed its
+        """A member's line closed: its process is gone (the kernel closed its
         sockets), or its host is; a live member keeps it open (its heartbeat thread reopens one
         only after a request failed, which the coordinator's own stall would cause). Dead at
         once, not after the heartbeat timeout. A stopped process or a host without power closes

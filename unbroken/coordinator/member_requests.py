@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class MemberRequests:
-    """The state changes of :meth:`join`, :meth:`heartbeat`, :meth:`report_failure`,
+    """The state changes of :meth:`join`, :meth:`touch`, :meth:`heartbeat`, :meth:`report_failure`,
     :meth:`mark_dead` and :meth:`leave`; each returns True when the state changed (a heartbeat:
     the member, or None if unknown)."""
 
@@ -62,6 +62,13 @@ class MemberRequests:
         self._enter(member, MemberState.WAITING, now)
         self._note_wait(now, member_id, "waiting")
         return True
+
+    def touch(self, member_id: str, now: float) -> None:
+        """The member was heard from (a join that changed nothing, a held join that ended): it
+        lives. Its joins take the place of its heartbeats while it joins (they share its line)."""
+        member = self.members.get(member_id)
+        if member is not None and member.state in (MemberState.WAITING, MemberState.ACTIVE):
+            member.last_heartbeat = max(member.last_heartbeat, now)
 
     def heartbeat(
         self,

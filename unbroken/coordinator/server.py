@@ -9,7 +9,8 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
 
 ==========================  ======================================================================
 ``POST /v1/join``           ``{member, node, pid, step, after, warm, lean, catch_up, hold}``: wait (at most
-                            ``hold`` s, never more than the coordinator's) for a generation newer
+                            ``hold`` s, never more than the coordinator's hold nor a third of the
+                            heartbeat timeout) for a generation newer
                             than ``after`` that includes ``member``. Replies ``{status: "formed",
                             generation, members, size, rank, prefix, store_host, store_port}``
                             (with ``lean``: no ``members``; fetch them from ``/v1/members``),

@@ -130,22 +130,28 @@ def _polls(script: list[dict], interval: float, count: int) -> list[tuple[float,
         server.server_close()
 
 
-def test_after_news_the_next_poll_holds_a_random_part_and_after_a_break_it_waits_that_long_first():
+def test_after_news_the_next_poll_holds_a_random_part_and_while_broken_polls_come_back_at_once_after_pauses():
     from unbroken.coordinator.client import NEWS_HOLD
 
     interval = 0.4
     formed = {"generation": 1, "broken": False, "reconfigure": False, "state": "active"}
     broken = {"generation": 1, "broken": True, "reconfigure": True, "state": "active"}
-    (t0, hold0), (t1, hold1), (t2, hold2), (t3, hold3), (t4, hold4) = _polls([formed, formed, broken, broken], interval, 5)
+    polls = _polls([formed, formed, broken, broken, broken, formed], interval, 7)
+    (t0, hold0), (t1, hold1), (t2, hold2), (t3, hold3), (t4, hold4), (t5, hold5), (t6, hold6) = polls
     low, high = (interval * f for f in NEWS_HOLD)
     assert hold0 == 0  # the first poll comes back at once: the member's join needs the line next
     # news (the first view): the next poll goes at once, held a random part of the interval
     assert t1 - t0 < low and low <= hold1 <= high
     # no news: a full hold
     assert hold2 == interval
-    # its generation broke (it is about to join): the next poll waits that random part first
-    assert low <= t3 - t2 <= high + 0.2 and hold3 == interval
-    assert t4 - t3 < low and hold4 == interval  # the view did not change again
+    # its generation broke (it is about to join): while the view stays broken, each poll waits a
+    # random part of the interval first and asks for no hold, so that a join never waits behind one
+    # (a held poll kept a rejoin after a failed heal waiting for a whole hold)
+    for (sent, hold), (after, _) in ((polls[2], polls[3]), (polls[3], polls[4]), (polls[4], polls[5])):
+        assert low <= after - sent <= high + 0.2
+    assert hold3 == hold4 == hold5 == 0
+    # active again (news): the next poll at once, held a random part
+    assert t6 - t5 < low and low <= hold6 <= high
 
 
 def test_a_view_that_is_not_active_makes_the_next_poll_wait_first_leaving_the_line_to_the_join():

@@ -4,6 +4,8 @@ of its own, and the coordinator watches the line whether a heartbeat or a join h
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
 import threading
 import time
@@ -14,6 +16,7 @@ from unbroken.coordinator.client import CoordinatorClient, Heartbeat
 from unbroken.coordinator.member_line import MemberLine
 from unbroken.coordinator.membership import MembershipSettings, MemberState
 from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+from unbroken.errors import CoordinatorUnreachable
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -152,3 +155,74 @@ def test_a_member_whose_line_closes_while_its_join_is_held_is_dead_at_once(coord
     sock.close()  # as the kernel does for a dead process, while its join is held
     _wait(lambda: coordinator.state.members["a"].state is MemberState.DEAD, 1.0, "the verdict")
     assert coordinator.state.members["a"].death_reason.startswith("its heartbeat connection closed")
+
+
+class _Leader(http.server.BaseHTTPRequestHandler):
+    """Answers every request with an active view (``/v1/failure`` slower than its read timeout),
+    keeping the connection alive and recording each request's path and body."""
+
+    protocol_version = "HTTP/1.1"
+    requests: list[tuple[str, dict]] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        type(self).requests.append((self.path, body))
+        if self.path == "/v1/failure":
+            time.sleep(1.0)
+        reply = json.dumps({"generation": 1, "state": "active"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def leader():
+    handler = type("Handler", (_Leader,), {"requests": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_transient_request_that_fails_leaves_the_line_on_its_candidate(leader):
+    # HA: a short request (a report) that timed out used to move the client's current candidate,
+    # and the line followed, closing its connection: the leader took that for the member's death
+    spare = socket.socket()
+    spare.bind(("127.0.0.1", 0))  # a second candidate that is down (bound, not listening)
+    address = ("127.0.0.1", leader.server_address[1])
+    try:
+        client = CoordinatorClient(f"{address[0]}:{address[1]},127.0.0.1:{spare.getsockname()[1]}", timeout=0.1, one_line=True)
+        client.post("/v1/heartbeat", member="a", hold=0)
+        line = client.line.conn
+        with pytest.raises(CoordinatorUnreachable):
+            client.post("/v1/failure", read_timeout=0.2, member="a", generation=1, error="test")  # one try
+        assert (client.host, client.port) == address
+        client.post("/v1/heartbeat", member="a", hold=0)
+        assert client.line.conn is line and line.sock is not None  # the same connection, still open
+    finally:
+        spare.close()
+
+
+def test_a_heartbeat_that_waited_for_the_line_reports_what_holds_when_it_is_sent(leader):
+    # a heartbeat waits while its member joins; what it reports (the step, the collective waited
+    # in) is read when it takes the line, not when it began to wait
+    client = CoordinatorClient(f"127.0.0.1:{leader.server_address[1]}", timeout=5.0, one_line=True)
+    beat = Heartbeat(client, "a", 0.2, lambda view: None)
+    with client.joining():
+        beat.start()
+        time.sleep(0.3)  # the first poll waits for the line
+        assert leader.RequestHandlerClass.requests == []
+        beat.step = 7
+    try:
+        _wait(lambda: leader.RequestHandlerClass.requests, 5, "the first heartbeat")
+        path, body = leader.RequestHandlerClass.requests[0]
+        assert path == "/v1/heartbeat" and body["step"] == 7
+    finally:
+        beat.stop()

@@ -331,6 +331,33 @@ def test_a_join_that_completes_the_first_generation_is_answered_with_it_at_once(
     assert (reply["generation"], reply["members"], reply["rank"], reply["prefix"]) == (1, ["a"], 0, "unbroken/gen1/")
 
 
+def test_joins_that_wait_for_their_generation_to_be_durable_keep_the_member_alive():
+    # replicated (etcd): a member formed into a generation that is not yet durable keeps joining
+    # (it has not heard of it) and its heartbeats wait meanwhile (they share its line): its joins
+    # must count as heartbeats, or a slow durable write gets it declared dead for silence
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+
+    coordinator = Coordinator(CoordinatorSettings(hold=0.05), MembershipSettings(expected_members=1))
+    state = coordinator.state
+    _formed(state, "a", now=0.0)
+    coordinator.leadership = object()  # replicated, and generation 1 is not durable yet
+    coordinator._durable = 0
+    assert _join_reply(coordinator, member="a", node="n", pid=1, step=0, after=0) == {"status": "wait"}
+    assert state.members["a"].last_heartbeat > 0.0
+    assert state.current.number == 1 and state.members["a"].state is MemberState.ACTIVE  # nothing else changed
+
+
+def test_touch_refreshes_only_live_members():
+    m = _membership()
+    _formed(m, "a", "b", now=0.0)
+    m.mark_dead("b", "no heartbeat", now=1.0)
+    m.touch("a", now=4.0)
+    m.touch("b", now=4.0)
+    m.touch("nobody", now=4.0)
+    assert m.members["a"].last_heartbeat == 4.0 and m.members["b"].last_heartbeat == 0.0
+    assert "nobody" not in m.members and m.expire(8.5) == []
+
+
 # -- decide: properties ----------------------------------------------------------------------------
 
 
