@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.errors import GenerationFailed
+from unbroken.worker.blocking_waits import wait_in_thread
 from unbroken.worker.nccl import abort as abort_nccl
 from unbroken.worker.nccl import nccl_environment, prepare_environment  # noqa: F401 - nccl_environment: its old home
 from unbroken.worker.torch_groups import _connect_ring, _device, _nccl_group
@@ -277,17 +278,7 @@ class GenerationGroup:
         else:
             # Gloo's send/recv have no future and report completion only through a blocking
             # wait(): do that on a helper thread, which is left behind if the wait is abandoned.
-            outcome: list[str | None] = []
-
-            def blocking_wait() -> None:
-                try:
-                    work.wait()
-                    outcome.append(None)
-                except BaseException as exc:
-                    outcome.append(f"{type(exc).__name__}: {exc}")
-                self._wake.set()
-
-            threading.Thread(target=blocking_wait, name="unbroken-wait", daemon=True).start()
+            outcome = wait_in_thread(work, self._wake.set)
             self._watch(lambda: bool(outcome), what)
             error = outcome[0]
         if error is not None:

@@ -3,8 +3,8 @@
 Two guards that the runtime installs when a member starts under ``unbroken run``:
 :func:`die_with_launcher` asks Linux to kill the worker when its launcher dies (no orphan keeps
 a node's devices or trains unwatched), and :class:`ExitGuard` keeps a Gloo group abandoned while
-a peer hung from aborting the interpreter at exit, which would make a finished run look like a
-crash to the launcher (measured on this kind of machine).
+a peer hung (or a wait left behind on it) from aborting the interpreter at exit, which would make
+a finished run look like a crash to the launcher (measured on this kind of machine).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 from typing import Any, Protocol
+
+from unbroken.worker import blocking_waits
 
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
 
@@ -50,10 +52,11 @@ class ExitGuard:
     """Keeps an abandoned Gloo group from turning a finished run into a crash at exit.
 
     A group abandoned while a peer hung may still hold pending work; destroying it at interpreter
-    exit can abort the process. If any such group exists at exit, the process ends with
-    ``os._exit`` after flushing, with status 1 if an exception escaped, else 0. After a clean
-    finish, a replica group's own process groups are destroyed while the interpreter is still
-    whole: left to its teardown, Gloo's worker threads can release tensors once Python is gone,
+    exit can abort the process, and so can a wait left behind on a helper thread that returns
+    during the teardown (:mod:`unbroken.worker.blocking_waits`). If any such group or wait exists
+    at exit, the process ends with ``os._exit`` after flushing, with status 1 if an exception
+    escaped, else 0. After a clean finish, a replica group's own process groups are destroyed
+    while the interpreter is still whole: left to its teardown, Gloo's worker threads can release tensors once Python is gone,
     and the process aborts ("terminate called without an active exception", SIGABRT).
     """
 
@@ -79,7 +82,7 @@ class ExitGuard:
 
     @classmethod
     def _at_exit(cls) -> None:
-        if any(job._graveyard for job in cls.jobs):
+        if any(job._graveyard for job in cls.jobs) or blocking_waits.in_flight():
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -1,0 +1,50 @@
+"""Blocking waits on helper threads, and whether any is still inside one.
+
+Gloo's send and recv report completion only through a blocking ``wait()``, which releases the
+GIL while it blocks in C++. :func:`wait_in_thread` runs such a wait on a daemon thread, so that
+the caller can watch for a verdict meanwhile and leave the wait behind if its generation is
+abandoned. A thread left behind is harmless while the interpreter runs, but if its wait returns
+while the interpreter is being torn down, the thread cannot take the GIL back: CPython ends it
+with ``pthread_exit``, whose unwinding through torch's C++ frames calls ``std::terminate`` and
+aborts the process ("terminate called without an active exception", SIGABRT), turning a
+finished run into a crash. :func:`in_flight` tells the exit guard
+(:class:`unbroken.worker.lifetime.ExitGuard`) that such a thread is still running, and it then
+ends the process without the teardown.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+_running: set[threading.Thread] = set()
+_lock = threading.Lock()
+
+
+def wait_in_thread(work: Any, done: Callable[[], None]) -> list[str | None]:
+    """Call ``work.wait()`` on a daemon thread; returns a list that receives ``None`` (success)
+    or the error's text once the wait returns, after which ``done()`` is called."""
+    outcome: list[str | None] = []
+
+    def blocking_wait() -> None:
+        try:
+            work.wait()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            with _lock:
+                _running.discard(threading.current_thread())
+        done()
+
+    thread = threading.Thread(target=blocking_wait, name="unbroken-wait", daemon=True)
+    with _lock:
+        _running.add(thread)
+    thread.start()
+    return outcome
+
+
+def in_flight() -> int:
+    """How many waits started by :func:`wait_in_thread` have not returned yet."""
+    with _lock:
+        return len(_running)
