@@ -340,8 +340,13 @@ class GroupWatchdog:
         return self
 
     def stop(self) -> None:
-        """Stop both threads (a finished process must not be taken for a silent peer's victim)."""
+        """Stop both threads (a finished process must not be taken for a silent peer's victim),
+        and wait for them, at most the peer timeout: a store call still in flight at interpreter
+        exit would abort the process (see :mod:`unbroken.worker.blocking_waits`)."""
         self._stop.set()
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(self.relay.peer_timeout)
 
     def _tick_loop(self) -> None:
         period = min(self.interval, self.relay.view_refresh) if self.on_view else self.interval

@@ -215,3 +215,13 @@ def test_a_follower_hears_each_new_view_and_judges_a_vanished_store_host_by_sile
         assert one.view() == {"generation": 2}, "a failing store keeps the cached view"
     finally:
         dog.stop()
+
+
+def test_stopping_the_watchdog_waits_for_its_threads_so_none_is_in_a_store_call_at_exit():
+    store = dist.HashStore()
+    relays = make_group(store, peer_timeout=0.4, start_timeout=2.0)
+    dogs = [GroupWatchdog(r, lambda: 0, interval=0.05, on_silent=lambda _: None).start() for r in relays]
+    time.sleep(0.2)
+    for dog in dogs:
+        dog.stop()
+    assert not any(thread.is_alive() for dog in dogs for thread in dog._threads)
