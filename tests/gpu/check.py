@@ -5,6 +5,8 @@ summary. Exits 1 if any probe failed. Runs with any Python that has torch: the r
 on ``PYTHONPATH`` for this process and the workers it starts, unbroken need not be installed.
 
 0. Versions: torch, CUDA, NCCL, the GPU.
+``UNBROKEN_GPU_PROBES=1,2`` runs only the probes of those numbers.
+
 1. Three workers share the GPU over Gloo with CUDA tensors; one is SIGKILLed inside an allreduce,
    restarted and healed; the model must equal a single GPU process (float64, deterministic
    algorithms, TF32 off) to 1e-8 relative, as on the CPU.
@@ -52,8 +54,14 @@ STEPS, GLOBAL = 24, 24
 results = {}
 
 
+SELECTED = [p for p in os.environ.get("UNBROKEN_GPU_PROBES", "").split(",") if p]
+"""Probes to run, by number (``UNBROKEN_GPU_PROBES=1,2``); all when unset."""
+
+
 def check(name):
     def wrap(fn):
+        if SELECTED and name.split()[0] not in SELECTED:
+            return fn
         started = time.monotonic()
         try:
             detail = fn()
@@ -84,8 +92,8 @@ def _kill_run(tmp, script_args, nproc="3", backend="gloo", kill="kill@allreduce,
     harness.check_exactly_once(run_dir, STEPS, GLOBAL)
     kills = [e for w in run.summary()["workers"] for e in w["exits"] if e["how"] == "killed by SIGKILL"]
     assert len(kills) == 1, kills
-    healed = [e for e in run.events("heal") if any(".w1.r1" in r for r in e["receivers"])]
-    assert healed, "the restarted worker was not healed"
+    # healed, or caught up from a donor while the others trained (the default rejoin since issue 31)
+    assert harness.state_received(run.events, ".w1.r1"), "the restarted worker got no state from a peer"
     finals = harness.final_params(f"{run_dir}/final")
     assert len(finals) == int(nproc), finals.keys()
     worst = max(harness.max_relative_difference(p, single) for p in finals.values())

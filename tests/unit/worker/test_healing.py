@@ -159,8 +159,8 @@ def _assert_same(got, want, where="state"):
 
 
 class _Link:
-    """A stand-in for a GenerationGroup between two ranks in one process: a send queues a copy
-    of its tensor under its tag, a receive takes the oldest one of its tag, which must have the
+    """A stand-in for a GenerationGroup of Gloo on the CPU between two ranks in one process: a
+    send queues a copy of its tensor (from any device) under its tag, a receive takes the oldest one of its tag, which must have the
     same dtype and size (as Gloo requires). ``cut_after`` receives, the link fails."""
 
     def __init__(self, cut_after: int | None = None) -> None:
@@ -170,8 +170,9 @@ class _Link:
         self.received = 0
 
     def send(self, tensor, dst, tag, what):
-        assert tensor.is_contiguous() and tensor.device.type == "cpu" and tensor.numel() > 0
-        self.queues[tag].append(tensor.clone())
+        # as GenerationGroup.send on a Gloo group: a tensor on another device goes through a copy
+        assert tensor.is_contiguous() and tensor.numel() > 0
+        self.queues[tag].append(tensor.to("cpu", copy=True))
         self.log.append(("send", tag, tensor.numel() * tensor.element_size(), tensor.data_ptr()))
 
     def recv(self, tensor, src, tag, what):
