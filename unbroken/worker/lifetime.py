@@ -56,8 +56,9 @@ class ExitGuard:
     during the teardown (:mod:`unbroken.worker.blocking_waits`). If any such group or wait exists
     at exit, the process ends with ``os._exit`` after flushing, with status 1 if an exception
     escaped, else 0. After a clean finish, a replica group's own process groups are destroyed
-    while the interpreter is still whole: left to its teardown, Gloo's worker threads can release tensors once Python is gone,
-    and the process aborts ("terminate called without an active exception", SIGABRT).
+    while the interpreter is still whole: left to its teardown, Gloo's worker threads can release
+    tensors once Python is gone, and the process aborts ("terminate called without an active
+    exception", SIGABRT).
     """
 
     jobs: list[Guarded] = []

@@ -160,8 +160,9 @@ def _assert_same(got, want, where="state"):
 
 class _Link:
     """A stand-in for a GenerationGroup of Gloo on the CPU between two ranks in one process: a
-    send queues a copy of its tensor (from any device) under its tag, a receive takes the oldest one of its tag, which must have the
-    same dtype and size (as Gloo requires). ``cut_after`` receives, the link fails."""
+    send queues a copy of its tensor (from any device) under its tag, a receive takes the oldest
+    one of its tag, which must have the same dtype and size (as Gloo requires). ``cut_after``
+    receives, the link fails."""
 
     def __init__(self, cut_after: int | None = None) -> None:
         self.queues: dict[int, collections.deque] = collections.defaultdict(collections.deque)
