@@ -7,7 +7,9 @@ abandoned. A thread left behind is harmless while the interpreter runs, but if i
 while the interpreter is being torn down, the thread cannot take the GIL back: CPython ends it
 with ``pthread_exit``, whose unwinding through torch's C++ frames calls ``std::terminate`` and
 aborts the process ("terminate called without an active exception", SIGABRT), turning a
-finished run into a crash. :func:`in_flight` tells the exit guard
+finished run into a crash. An NCCL abort left to finish in the background
+(:func:`unbroken.worker.nccl.abort`) is the same kind of call: :func:`call_in_thread` runs it.
+:func:`in_flight` tells the exit guard
 (:class:`unbroken.worker.lifetime.ExitGuard`) that such a thread is still running, and it then
 ends the process without the teardown.
 """
@@ -44,7 +46,29 @@ def wait_in_thread(work: Any, done: Callable[[], None]) -> list[str | None]:
     return outcome
 
 
+def call_in_thread(call: Callable[[], None], name: str) -> threading.Event:
+    """Run ``call()`` (a blocking C++ call that releases the GIL) on a daemon thread counted by
+    :func:`in_flight`; returns an event set once it returned or raised (its error is the caller's
+    to log inside ``call``)."""
+    returned = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
+        finally:
+            with _lock:
+                _running.discard(threading.current_thread())
+            returned.set()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _lock:
+        _running.add(thread)
+    thread.start()
+    return returned
+
+
 def in_flight() -> int:
-    """How many waits started by :func:`wait_in_thread` have not returned yet."""
+    """How many calls started by :func:`wait_in_thread` or :func:`call_in_thread` have not
+    returned yet."""
     with _lock:
         return len(_running)

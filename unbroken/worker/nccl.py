@@ -26,18 +26,23 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 import torch
 
 from unbroken.errors import ConfigError
+from unbroken.worker.blocking_waits import call_in_thread
 
 log = logging.getLogger("unbroken.worker.runtime")
 
-ABORT_BOUND = 10.0
-"""Seconds an abort may take before the caller goes on without it (``ncclCommAbort`` can hang:
-the aborting thread is then left behind, and the communicator with it)."""
+ABORT_BOUND = 0.5
+"""Seconds the caller waits for an abort before it goes on without it; the abort finishes in the
+background, its thread holding the group until it returns. ``ncclCommAbort`` returns only once
+the kernels queued before the aborted collectives have run (a long compute kernel: seconds, as an
+H200 showed), and torch's abort of a communicator whose peer never arrived waits for its
+initialisation to give up (``TORCH_NCCL_NONBLOCKING_TIMEOUT``). Waiting for either would add it
+to the survivors' stall; the next generation's communicator is a fresh one and needs nothing from
+the old."""
 
 _REFUSED = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": ("1", "3")}
 """Values that would end a worker at its first failed collective: refused."""
@@ -94,29 +99,26 @@ def prepare_environment(timeout: float, environ: dict[str, str] | Any = None) ->
 
 def abort(pg: Any, device: torch.device, bound: float | None = None) -> bool:
     """Abort an NCCL group's communicators (``abort``, else ``_abort``) on a thread of its own;
-    True if that returned within ``bound`` seconds (default :data:`ABORT_BOUND`). Never
-    ``shutdown()``: on a broken communicator it waits for pending work that will never finish."""
+    True if that returned within ``bound`` seconds (default :data:`ABORT_BOUND`), else the abort
+    goes on in the background (counted by :func:`unbroken.worker.blocking_waits.in_flight`, so
+    that the process never tears down its interpreter under it). Never ``shutdown()``: on a broken
+    communicator it waits for pending work that will never finish."""
     bound = ABORT_BOUND if bound is None else bound
-    done = threading.Event()
 
     def run() -> None:
-        try:
-            for target in (pg, _backend_of(pg, device)):
-                for name in ("abort", "_abort"):
-                    method = getattr(target, name, None) if target is not None else None
-                    if callable(method):
-                        try:
-                            method()
-                            return
-                        except Exception as exc:  # noqa: BLE001 - the next way may work
-                            log.debug("NCCL %s failed: %s", name, exc)
-            log.warning("this torch offers no abort for NCCL process groups; a broken communicator stays")
-        finally:
-            done.set()
+        for target in (pg, _backend_of(pg, device)):
+            for name in ("abort", "_abort"):
+                method = getattr(target, name, None) if target is not None else None
+                if callable(method):
+                    try:
+                        method()
+                        return
+                    except Exception as exc:  # noqa: BLE001 - the next way may work
+                        log.debug("NCCL %s failed: %s", name, exc)
+        log.warning("this torch offers no abort for NCCL process groups; a broken communicator stays")
 
-    threading.Thread(target=run, name="unbroken-nccl-abort", daemon=True).start()
-    if not done.wait(bound):
-        log.warning("aborting an NCCL communicator took more than %.0f s; going on without it", bound)
+    if not call_in_thread(run, "unbroken-nccl-abort").wait(bound):
+        log.info("an NCCL abort is still running after %.1f s; it finishes in the background", bound)
         return False
     return True
 

@@ -43,9 +43,18 @@ def _connect_ring(pg: Any, rank: int, size: int) -> list[Any]:
     return [pg.send([torch.zeros(1)], right, _WARM_TAG), pg.recv([torch.zeros(1)], left, _WARM_TAG)]
 
 
+TORCH_TIMEOUT_MARGIN = 60.0
+"""Seconds past unbroken's collective timeout at which torch's own NCCL watchdog times a
+collective out. Every wait on a generation's group is unbroken's (it aborts the communicator at
+the collective timeout, or at a verdict, which stops torch's watchdog); torch's is only a
+backstop. Were they equal, torch's watchdog would race unbroken's abort: on a timeout it writes
+``exception_dump`` into the job's store and holds its locks while it waits for a trace dump."""
+
+
 def _nccl_group(store: dist.Store, rank: int, size: int, timeout: float, device: torch.device) -> Any:
-    """A ``ProcessGroupNCCL`` for one generation, bound to ``device``. CUDA only."""
+    """A ``ProcessGroupNCCL`` for one generation, bound to ``device``. CUDA only. torch's own
+    timeout is :data:`TORCH_TIMEOUT_MARGIN` past ``timeout``: unbroken's watch acts first."""
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = datetime.timedelta(seconds=timeout)
+    options._timeout = datetime.timedelta(seconds=timeout + TORCH_TIMEOUT_MARGIN)
     torch.cuda.set_device(device)
     return dist.ProcessGroupNCCL(store, rank, size, options)

@@ -282,6 +282,59 @@ def test_an_abort_that_hangs_costs_its_bound_and_a_broken_communicator_is_never_
     assert nccl.abort(only, torch.device("cuda", 0), bound=5.0) and only.shut == 0
 
 
+def test_an_abort_held_behind_a_long_kernel_finishes_in_the_background_and_is_in_flight_meanwhile():
+    """On an H200, ncclCommAbort returned only when the kernel queued before the aborted
+    collective had run (3 s): a verdict must end the wait at once, not when the GPU is free."""
+    import time
+
+    from unbroken.worker import blocking_waits
+
+    class HeldBehindAKernel(_StandInNccl):
+        def __init__(self):
+            super().__init__()
+            self.returned = threading.Event()
+
+        def abort(self):
+            time.sleep(1.5)
+            super().abort()
+            self.returned.set()
+
+    before = blocking_waits.in_flight()
+    group = _group("nccl", lambda: "member b was declared dead")
+    group.pg = held = HeldBehindAKernel()
+    started = time.monotonic()
+    with pytest.raises(GenerationFailed, match="declared dead"):
+        group.allreduce(torch.zeros(2), "gradient allreduce")
+    assert time.monotonic() - started < 1.2  # the abort's default bound (0.5 s), not the kernel's 1.5 s
+    assert not held.returned.is_set() and blocking_waits.in_flight() == before + 1  # the exit guard sees it
+    assert held.returned.wait(5.0) and held.aborted == 1
+    deadline = time.monotonic() + 5.0
+    while blocking_waits.in_flight() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert blocking_waits.in_flight() == before
+
+
+def test_torchs_own_nccl_timeout_comes_after_unbrokens_so_its_watchdog_never_races_the_abort(monkeypatch):
+    import datetime
+
+    from unbroken.worker import torch_groups
+
+    made = {}
+
+    class FakeNccl:
+        class Options:
+            pass
+
+        def __init__(self, store, rank, size, options):
+            made["timeout"] = options._timeout
+
+    monkeypatch.setattr(torch_groups.dist, "ProcessGroupNCCL", FakeNccl, raising=False)
+    monkeypatch.setattr(torch_groups.torch.cuda, "set_device", lambda device: None)
+    torch_groups._nccl_group(None, 0, 2, 5.0, torch.device("cuda", 0))
+    assert made["timeout"] == datetime.timedelta(seconds=5.0 + torch_groups.TORCH_TIMEOUT_MARGIN)
+    assert torch_groups.TORCH_TIMEOUT_MARGIN >= 30.0
+
+
 def test_the_nccl_environment_is_set_and_a_setting_that_ends_workers_is_refused(capsys):
     from unbroken.worker import nccl
 
