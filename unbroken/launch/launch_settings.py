@@ -112,6 +112,10 @@ class LaunchSettings:
     """Fault schedule for the workers (see ``unbroken.worker.chaos``)."""
     record_samples: bool = False
     """Workers log the stream positions of every step attempt (for exactly-once checks)."""
+    zygote: bool = True
+    """Start workers by fork from one process per launcher that imported torch already
+    (:mod:`unbroken.launch.zygote`): a restarted worker skips torch's import. False (``--no-zygote``,
+    ``UNBROKEN_ZYGOTE=0``): every worker is a fresh interpreter."""
     backend: str = "auto"
     """Collective backend of the workers (``--backend``, passed as ``UNBROKEN_BACKEND``): ``gloo``,
     ``nccl`` or ``auto`` (NCCL when the model is on a GPU). ``nccl`` on a machine without CUDA is

@@ -120,6 +120,7 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
 
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self._start_zygote()  # it imports torch while the coordinator starts
             self._start_coordinator()
             self.client = CoordinatorClient(self.address, timeout=30.0, token=self.token)
             self._say(f"run directory {self.run_dir}, coordinator {self.address}, {len(self.workers)} worker(s)")
@@ -139,6 +140,7 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
             if self._progress is not None:
                 self._progress.stop()
             self._shutdown()
+            self._stop_zygote()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self._write_summary()

@@ -123,6 +123,9 @@ def _add_run_supervision(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
     _flag(p, "--record-samples", action="store_true", help="log every step's sample positions under the run directory")
+    _flag(p, "--no-zygote", action="store_true",
+          help="start every worker as a fresh interpreter, not by fork from a process that imported torch already"
+          " (default: forked; also UNBROKEN_ZYGOTE=0)")
 
 
 def _add_run_replication(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
@@ -207,6 +210,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         progress_interval=args.progress_interval,
         chaos=args.chaos,
         record_samples=args.record_samples,
+        zygote=not args.no_zygote and env.get("UNBROKEN_ZYGOTE", "1") not in ("0", "false", "no"),
         backend=args.backend,
         stragglers=args.stragglers,
         token=args.token or env.get("UNBROKEN_TOKEN") or None,

@@ -99,15 +99,17 @@ class WorkerProcesses:
     """(slot, its process 0, exit status, which process of the group failed: 0 for a lone worker)"""
     _console_lock: threading.Lock
 
-    def _spawn(self, worker: Worker) -> None:
+    def _worker_env(self, worker: Worker) -> dict[str, str]:
+        """The environment of ``worker``'s process(es), less the two variables that differ
+        within a replica group (``UNBROKEN_RANK_IN_GROUP``, ``LOCAL_RANK``)."""
         s = self.settings
         k = s.group_size
-        worker.member_id = f"{s.node}.w{worker.local_rank}.r{worker.restarts}"
+        client = getattr(self, "client", None)
         env = dict(os.environ)
         env.update(
             {
                 # every candidate known so far, this node's first
-                "UNBROKEN_COORDINATOR": ",".join(f"{h}:{p}" for h, p in self.client.addresses),
+                "UNBROKEN_COORDINATOR": ",".join(f"{h}:{p}" for h, p in client.addresses) if client else "",
                 "UNBROKEN_TOKEN": self.token or "",
                 "UNBROKEN_LAUNCHER_PID": str(os.getpid()),
                 "UNBROKEN_MEMBER_ID": worker.member_id,  # the same for every process of a replica group
@@ -145,6 +147,13 @@ class WorkerProcesses:
             incarnation = f"{s.node}.w{worker.local_rank}/{worker.restarts}"
             env["UNBROKEN_GROUP_PREFIX"] = f"unbroken/group/{key_tag(self.token, 'group/' + incarnation)}{incarnation}/"
             env["UNBROKEN_GROUP_TIMEOUT"] = str(s.heartbeat_timeout)
+        return env
+
+    def _spawn(self, worker: Worker) -> None:
+        s = self.settings
+        k = s.group_size
+        worker.member_id = f"{s.node}.w{worker.local_rank}.r{worker.restarts}"
+        env = self._worker_env(worker)
         log_path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")
         logfile = open(log_path, "ab", buffering=0)
         logfile.write(f"===== {worker.member_id} starting =====\n".encode())
@@ -158,17 +167,7 @@ class WorkerProcesses:
                 # them all (with whatever they started). A lone worker has a session of its own; the
                 # processes of a group cannot (a process joins only a process group of its own
                 # session), so process 0 leads a new process group in the launcher's session.
-                group = {"start_new_session": True} if k == 1 else {"process_group": procs[0].pid if j else 0}
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, *(["-m"] if s.module else []), s.script, *s.script_args],
-                        env=env_j,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        **group,
-                    )
-                )
+                procs.append(self._start_process(env_j, None if k == 1 else (procs[0].pid if j else 0)))
         except BaseException:
             if procs:
                 _signal_group(procs[0], signal.SIGKILL)
@@ -193,6 +192,52 @@ class WorkerProcesses:
             pumps.append(threading.Thread(target=self._pump, args=(worker, proc, f, j), daemon=True))
             pumps[-1].start()
         threading.Thread(target=self._reap, args=(worker, procs, pumps), daemon=True).start()
+
+    def _start_zygote(self) -> None:
+        """Start the zygote that forks workers (:mod:`unbroken.launch.zygote`), if the settings
+        want one; it imports torch meanwhile, while the coordinator starts."""
+        self._zygote = None
+        if not self.settings.zygote:
+            return
+        from unbroken.launch.zygote import Zygote, ZygoteError
+
+        try:
+            self._zygote = Zygote(self._worker_env(self.workers[0]))
+        except (OSError, ZygoteError) as exc:
+            print(f"[unbroken] warning: workers start as fresh interpreters: {exc}", flush=True)
+
+    def _stop_zygote(self) -> None:
+        zygote, self._zygote = getattr(self, "_zygote", None), None
+        if zygote is not None:
+            zygote.close()
+
+    def _start_process(self, env: dict[str, str], group: int | None) -> Any:
+        """Start one worker process with ``env``: forked by the zygote when there is one and
+        ``env`` allows it, else a fresh interpreter. ``group`` None: a session of its own; 0: a
+        new process group that it leads (a replica group's process 0); else that process group."""
+        s = self.settings
+        zygote = getattr(self, "_zygote", None)
+        if zygote is not None and not zygote.alive:
+            print("[unbroken] warning: the zygote ended; workers start as fresh interpreters from now on", flush=True)
+            self._stop_zygote()
+            zygote = None
+        if zygote is not None and zygote.can_start(env):
+            from unbroken.launch.zygote import ZygoteError
+
+            try:
+                return zygote.start([s.script, *s.script_args], s.module, env, group)
+            except ZygoteError as exc:
+                print(f"[unbroken] warning: workers start as fresh interpreters from now on: {exc}", flush=True)
+                self._stop_zygote()
+        placement = {"start_new_session": True} if group is None else {"process_group": group}
+        return subprocess.Popen(
+            [sys.executable, *(["-m"] if s.module else []), s.script, *s.script_args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            **placement,
+        )
 
     def _group_store_address(self) -> str:
         """``host:port`` of the store the replica groups of this launcher meet in (started once,

@@ -1,0 +1,142 @@
+"""The zygote that forks workers: a forked worker runs its script as ``python SCRIPT`` would, its
+exit status and signal come back as a Popen's, it has its own session or process group, and
+nothing is left behind when the zygote or a worker dies."""
+
+import os
+import signal
+import subprocess
+import textwrap
+import time
+
+import pytest
+
+from unbroken.launch.zygote import PER_WORKER, Zygote, ZygoteError
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    print(json.dumps({
+        "name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+        "member": os.environ.get("UNBROKEN_MEMBER_ID"), "same_env": os.environ.get("SHARED"),
+        "sid": os.getsid(0), "pgid": os.getpgid(0), "pid": os.getpid(),
+        "threads": torch.get_num_threads(), "cuda": torch.cuda.is_initialized(),
+    }), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+@pytest.fixture
+def zygote():
+    env = {**os.environ, "SHARED": "yes", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    made = Zygote(env)
+    yield made
+    made.close()
+
+
+def _output(proc) -> list[str]:
+    return proc.stdout.read().decode().splitlines()
+
+
+def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_comes_back(zygote, tmp_path):
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**zygote.env, "UNBROKEN_MEMBER_ID": "n.w0.r0"}
+    started = time.monotonic()
+    proc = zygote.start([str(script), "3"], False, env)
+    assert proc.wait(timeout=60) == 3
+    lines = _output(proc)
+    seen = json.loads(lines[0])
+    assert seen["name"] == "__main__" and seen["argv"] == [str(script), "3"]
+    assert seen["path0"] == str(tmp_path) and seen["cwd"] == os.getcwd()
+    assert seen["member"] == "n.w0.r0" and seen["same_env"] == "yes"
+    assert seen["sid"] == seen["pid"] == proc.pid  # a session of its own, as start_new_session gives
+    assert seen["threads"] == 1 and seen["cuda"] is False
+    assert lines[1] == "to stderr"  # stderr goes with stdout
+    assert time.monotonic() - started < 60
+
+
+def test_a_module_runs_as_python_dash_m_would(zygote, tmp_path, monkeypatch):
+    import json
+
+    (tmp_path / "trainmod.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    proc = zygote.start(["trainmod", "0"], True, dict(zygote.env))
+    assert proc.wait(timeout=60) == 0
+    seen = json.loads(_output(proc)[0])
+    assert seen["name"] == "__main__" and seen["argv"][0] == str(tmp_path / "trainmod.py")
+    assert seen["path0"] == str(tmp_path)
+
+
+def test_a_worker_killed_by_a_signal_reports_it_as_popen_does_and_a_traceback_exits_1(zygote, tmp_path):
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    proc = zygote.start([str(sleeper)], False, dict(zygote.env))
+    assert proc.stdout.readline() == b"up\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.1)
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    failing = tmp_path / "fail.py"
+    failing.write_text("raise ValueError('a bad setting')\n")
+    proc = zygote.start([str(failing)], False, dict(zygote.env))
+    assert proc.wait(timeout=30) == 1
+    assert _output(proc)[-1] == "ValueError: a bad setting"
+
+
+def test_a_replica_groups_processes_share_one_process_group(zygote, tmp_path):
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    first = zygote.start([str(sleeper)], False, dict(zygote.env), 0)
+    second = zygote.start([str(sleeper)], False, dict(zygote.env), first.pid)
+    assert os.getpgid(first.pid) == os.getpgid(second.pid) == first.pid
+    assert os.getsid(first.pid) == os.getsid(0)  # the launcher's session, as Popen's process_group gives
+    os.killpg(first.pid, signal.SIGKILL)
+    assert first.wait(timeout=30) == second.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_an_environment_that_differs_beyond_the_per_worker_variables_is_not_forked(zygote):
+    assert zygote.can_start({**zygote.env, **{name: "x" for name in PER_WORKER}})
+    assert not zygote.can_start({**zygote.env, "PYTHONHASHSEED": "7"})
+    assert not zygote.can_start({k: v for k, v in zygote.env.items() if k != "SHARED"})
+
+
+def test_when_the_zygote_dies_its_workers_are_killed_and_reported_and_starting_fails_clearly(zygote, tmp_path):
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    proc = zygote.start([str(sleeper)], False, dict(zygote.env))
+    assert proc.stdout.readline() == b"up\n"
+    zygote.proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while not _gone(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(proc.pid)
+    assert not zygote.can_start(dict(zygote.env))
+    with pytest.raises(ZygoteError, match="gone|ended"):
+        zygote.start([str(sleeper)], False, dict(zygote.env))
+
+
+def test_a_workers_parent_death_signal_follows_the_zygote(zygote, tmp_path):
+    """The worker's own die-with-launcher check reads UNBROKEN_LAUNCHER_PID: for a forked worker
+    that is the zygote, its parent (which dies with the launcher)."""
+    script = tmp_path / "pid.py"
+    script.write_text("import os\nprint(os.environ['UNBROKEN_LAUNCHER_PID'], os.getppid(), flush=True)\n")
+    proc = zygote.start([str(script)], False, {**zygote.env, "UNBROKEN_LAUNCHER_PID": str(os.getpid())})
+    assert proc.wait(timeout=30) == 0
+    launcher, parent = _output(proc)[0].split()
+    assert launcher == parent == str(zygote.proc.pid)
+
+
+def _gone(pid: int) -> bool:
+    """True if ``pid`` no longer runs (gone, or a zombie waiting for init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
