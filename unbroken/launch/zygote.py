@@ -275,9 +275,19 @@ def _fork(sock: socket.socket, request: dict[str, Any], out_fd: int, wake: tuple
     sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
+_SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals the zygote ignores: Ctrl-C reaches the launcher's whole process group, the zygote's
+too, and the launcher's own shutdown (SIGTERM to each worker, then SIGKILL after the grace)
+must not be cut short by the zygote's death, which kills every worker at once. The zygote ends
+when the launcher closes its socket, or dies with it."""
+
+
 def _become_child(sock: socket.socket, request: dict[str, Any], out_fd: int, wake: tuple[int, int], ready: int) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's dispositions
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     for fd in wake:
         os.close(fd)
     sock.close()
@@ -338,6 +348,8 @@ def main(argv: list[str]) -> None:
     import warnings
 
     sock = socket.socket(fileno=int(argv[0]))
+    for shielded in _SHIELDED:
+        signal.signal(shielded, signal.SIG_IGN)
     _die_with(int(argv[1]))
     # torch's import leaves one idle thread; a fork from the main thread is what DataLoader's
     # workers do after it too (Python 3.12 warns about any fork in a process with threads)

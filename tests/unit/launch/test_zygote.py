@@ -140,3 +140,22 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_ctrl_c_or_sigterm_to_the_launchers_process_group_spares_the_zygote_not_the_workers(zygote, tmp_path):
+    """Ctrl-C reaches the zygote with the launcher; were it to die, it would take every worker
+    with it at once, before the launcher's graceful shutdown. A worker keeps the usual dispositions."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    proc = zygote.start([str(script)], False, dict(zygote.env))
+    assert proc.stdout.readline() == b"up\n"
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        os.kill(zygote.proc.pid, sig)
+    # the zygote forks once more after the signals (delivered before it reads the request): alive
+    interrupted = zygote.start([str(script)], False, dict(zygote.env))
+    assert interrupted.stdout.readline() == b"up\n"
+    assert zygote.proc.poll() is None and proc.poll() is None
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    os.kill(interrupted.pid, signal.SIGINT)  # as in a fresh interpreter: KeyboardInterrupt, then death by SIGINT
+    assert interrupted.wait(timeout=30) == -signal.SIGINT and b"KeyboardInterrupt" in interrupted.stdout.read()
