@@ -50,6 +50,7 @@ RUN_FLAGS = [
     ["--progress-interval", "--progress_interval"],
     ["--chaos"],
     ["--record-samples", "--record_samples"],
+    ["--no-zygote", "--no_zygote"],
     ["--token"],
     ["--etcd"],
     ["--job-id", "--job_id"],
@@ -194,6 +195,13 @@ def test_valid_run_flags_become_the_launch_settings(launched, script):
     s = seen["settings"]
     assert (s.nproc_per_node, s.max_restarts, s.node, s.tee, s.chaos, s.record_samples) == (3, 1, "n7", 2, "kill@step,rank=1", True)
     assert (s.script, s.script_args) == (script, ("--epochs", "2"))
+
+
+def test_workers_are_forked_from_the_zygote_unless_no_zygote_or_unbroken_zygote_0(launched, script, monkeypatch):
+    assert main(["run", script]) == 0 and launched["settings"].zygote is True
+    assert main(["run", "--no-zygote", script]) == 0 and launched["settings"].zygote is False
+    monkeypatch.setenv("UNBROKEN_ZYGOTE", "0")
+    assert main(["run", script]) == 0 and launched["settings"].zygote is False
 
 
 def test_the_restart_and_shutdown_flags_become_the_launch_settings(launched, script):
