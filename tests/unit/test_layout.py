@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "unbroken"
-BASE = {"unbroken.errors", "unbroken.store_keys", "unbroken.open_files", "unbroken.version"}
+BASE = {"unbroken.errors", "unbroken.store_keys", "unbroken.open_files", "unbroken.parent_death", "unbroken.version"}
 """Top-level modules every package may import (never ``unbroken`` itself: it names every package)."""
 MAY_IMPORT = {
     "observe": set(),

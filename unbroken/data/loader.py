@@ -37,12 +37,9 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import functools
 import multiprocessing
 import os
-import signal
-import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -60,6 +57,7 @@ from unbroken.data.sample_randomness import (  # the per-sample names, offered h
     sample_seed_for,
 )
 from unbroken.errors import ConfigError
+from unbroken.parent_death import die_with
 
 __all__ = ["Loader", "SampleInfo", "check_dataset", "current_sample", "sample_rng", "sample_seed", "sample_seed_for"]
 
@@ -92,20 +90,9 @@ def check_dataset(dataset: Any) -> int:
     return length
 
 
-def _die_with(parent: int) -> None:
-    """Ask Linux to SIGKILL this process when ``parent`` (the training process) dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _init_worker(parent: int, user_init: Callable[[int], None] | None, worker_id: int) -> None:
     torch.set_num_threads(1)  # k workers next to the training process: no thread pools fighting
-    _die_with(parent)
+    die_with(parent)
     if user_init is not None:
         user_init(worker_id)
 

@@ -39,6 +39,8 @@ import threading
 import time
 from typing import Any
 
+from unbroken.parent_death import die_with
+
 PER_WORKER = ("LOCAL_RANK", "UNBROKEN_MEMBER_ID", "UNBROKEN_RESTART_COUNT", "UNBROKEN_RANK_IN_GROUP",
               "UNBROKEN_GROUP_PREFIX", "UNBROKEN_GROUP_STORE", "UNBROKEN_GROUP_TIMEOUT", "UNBROKEN_COORDINATOR",
               "UNBROKEN_TOKEN")
@@ -332,17 +334,6 @@ def _run_worker(request: dict[str, Any]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def _die_with(launcher: int) -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != launcher:
-        os._exit(1)
-
-
 def main(argv: list[str]) -> None:
     """The zygote: import torch, tell the launcher it is ready, fork workers until it goes."""
     import warnings
@@ -350,7 +341,7 @@ def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=int(argv[0]))
     for shielded in _SHIELDED:
         signal.signal(shielded, signal.SIG_IGN)
-    _die_with(int(argv[1]))
+    die_with(int(argv[1]))
     # torch's import leaves one idle thread; a fork from the main thread is what DataLoader's
     # workers do after it too (Python 3.12 warns about any fork in a process with threads)
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")

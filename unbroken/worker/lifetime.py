@@ -12,10 +12,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import sys
 from typing import Any, Protocol
 
+from unbroken.parent_death import die_with
 from unbroken.worker import blocking_waits
 
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
@@ -23,21 +23,16 @@ log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; 
 
 def die_with_launcher() -> None:
     """End this worker the moment its launcher dies (Linux's parent-death signal), so that no
-    orphan holds a node's devices or trains on unwatched; if it died already, end now."""
+    orphan holds a node's devices or trains on unwatched; if it died already, end now. (A worker
+    forked by the launcher's zygote has the zygote's pid here, its parent, which dies with the
+    launcher.)"""
     launcher = os.environ.get("UNBROKEN_LAUNCHER_PID")
     if not launcher or not sys.platform.startswith("linux"):
         return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError) as exc:
-        log.warning("cannot ask to die with the launcher: %s", exc)
-        return
     if os.getppid() != int(launcher):
         print("unbroken: the launcher of this worker is gone; exiting", file=sys.stderr, flush=True)
-        os._exit(1)
+    if not die_with(int(launcher)):
+        log.warning("cannot ask to die with the launcher")
 
 
 class Guarded(Protocol):
