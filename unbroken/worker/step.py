@@ -187,7 +187,8 @@ class Step:
             return
         job._samples.attempt(self, job._group)
         job._reducer.arm(job._joiner.group, job._joiner.reconfigure_wanted(), self._loss_sum, self._count if self._counting else None,
-                         stop=job.stop_reason is not None, pace=job._pacing.slots(self.rank, self.members))
+                         stop=job.stop_reason is not None, pace=job._pacing.slots(self.rank, self.members),
+                         pace_float64=job._pacing.group_size > 1)
 
     def reduce(self) -> bool:
         """Allreduce the gradients; afterwards ``.grad`` holds the global-batch gradient on every member.
