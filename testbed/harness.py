@@ -82,9 +82,20 @@ def _running(pid: int) -> bool:
 
 
 def alive_workers(run_dir: str) -> list[int]:
-    """Workers of the run that still run (their process-group leaders)."""
+    """Workers of the run that still run (their process-group leaders); not the launcher's
+    zygote, which forks them (:mod:`unbroken.launch.zygote`), though ``kill_leftovers`` ends it too."""
     pids = {e["pid"] for e in Run(0, "", "", run_dir).events("worker_start")} | set(_processes_of(run_dir))
-    return sorted(pid for pid in pids if _running(pid))
+    return sorted(pid for pid in pids if _running(pid) and not _is_zygote(pid))
+
+
+def _is_zygote(pid: int) -> bool:
+    from unbroken.launch.zygote import ZYGOTE_NAME
+
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == ZYGOTE_NAME[:15]
+    except OSError:
+        return False
 
 
 def unbroken(run_dir: str, *args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> Run:

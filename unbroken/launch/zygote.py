@@ -19,6 +19,8 @@ What a forked worker shares with the zygote, and why it is safe:
   with the workers' environment less the variables that differ per worker
   (:data:`PER_WORKER`); a worker whose environment differs in anything else is started as a
   fresh interpreter instead (:meth:`Zygote.can_start`).
+- its name: the zygote names itself ``unbroken-zygote`` (``/proc/PID/comm``, what ``top`` and
+  ``ps -o comm`` show); a forked worker takes back its interpreter's name.
 - random state: Python's ``random`` reseeds itself in a forked child; numpy's global generator,
   if imported, is reseeded from the OS here; torch's default seed is the same fixed value as in
   a fresh interpreter.
@@ -46,6 +48,9 @@ PER_WORKER = ("LOCAL_RANK", "UNBROKEN_MEMBER_ID", "UNBROKEN_RESTART_COUNT", "UNB
               "UNBROKEN_TOKEN")
 """Variables that may differ between two workers of one launcher without a fresh interpreter:
 none is read before the script runs."""
+
+ZYGOTE_NAME = "unbroken-zygote"
+"""The zygote's process name (``/proc/PID/comm``): its command line is every forked worker's too."""
 
 _READY_TIMEOUT = 30.0
 """Seconds the launcher waits for the zygote to import torch, or for a forked child to be set up."""
@@ -314,8 +319,19 @@ def _become_child(sock: socket.socket, request: dict[str, Any], out_fd: int, wak
         env["UNBROKEN_LAUNCHER_PID"] = str(os.getppid())
     os.environ.clear()
     os.environ.update(env)
+    _set_name(os.path.basename(sys.executable))
     os.close(ready)
     raise _BecomeWorker(request)
+
+
+def _set_name(name: str) -> None:
+    """Set this process's name (``/proc/PID/comm``, at most 15 bytes; Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _run_worker(request: dict[str, Any]) -> None:
@@ -342,6 +358,7 @@ def main(argv: list[str]) -> None:
     for shielded in _SHIELDED:
         signal.signal(shielded, signal.SIG_IGN)
     die_with(int(argv[1]))
+    _set_name(ZYGOTE_NAME)
     # torch's import leaves one idle thread; a fork from the main thread is what DataLoader's
     # workers do after it too (Python 3.12 warns about any fork in a process with threads)
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")

@@ -5,6 +5,7 @@ nothing is left behind when the zygote or a worker dies."""
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -21,6 +22,7 @@ SCRIPT = textwrap.dedent(
         "member": os.environ.get("UNBROKEN_MEMBER_ID"), "same_env": os.environ.get("SHARED"),
         "sid": os.getsid(0), "pgid": os.getpgid(0), "pid": os.getpid(),
         "threads": torch.get_num_threads(), "cuda": torch.cuda.is_initialized(),
+        "comm": open("/proc/self/comm").read().strip(),
     }), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     sys.exit(int(sys.argv[1]))
@@ -56,7 +58,10 @@ def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_com
     assert seen["member"] == "n.w0.r0" and seen["same_env"] == "yes"
     assert seen["sid"] == seen["pid"] == proc.pid  # a session of its own, as start_new_session gives
     assert seen["threads"] == 1 and seen["cuda"] is False
+    with open(f"/proc/{zygote.proc.pid}/comm") as f:  # the zygote is told apart by its name
+        assert f.read().strip() == "unbroken-zygote"
     assert lines[1] == "to stderr"  # stderr goes with stdout
+    assert seen["comm"] == os.path.basename(sys.executable)[:15]  # its interpreter's name, not the zygote's
     assert time.monotonic() - started < 60
 
 
