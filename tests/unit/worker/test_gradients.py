@@ -9,6 +9,17 @@ import torch
 from unbroken.worker.gradients import GradientReducer
 
 
+def _run_members(member, groups, errors) -> None:
+    """Run ``member(group)`` for every member on threads of their own (bounded); fail on any error."""
+    threads = [threading.Thread(target=member, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a member did not finish within 60 s"
+    assert not errors, errors
+
+
 def model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
@@ -74,13 +85,8 @@ def test_control_slots_sum_exactly_whatever_the_parameters_dtype(dtype):
         except BaseException as exc:  # reported by the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=member, args=(g,)) for g in groups]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        _run_members(member, groups, errors)
         loss = float(torch.tensor(70000.25, dtype=dtype).double() + torch.tensor(70001.25, dtype=dtype).double())
         for rank in (0, 1):
             (flag, loss_sum, count, counting, stop), grads = results[rank]
@@ -128,13 +134,8 @@ def test_the_pace_exchange_rides_with_the_control_slots_exactly_and_costs_no_col
         except BaseException as exc:  # reported by the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=member, args=(g,)) for g in groups]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        _run_members(member, groups, errors)
         assert results[0] == results[1]  # every member takes the same numbers
         buckets = len(GradientReducer(list(model().to(dtype).parameters()), bucket_cap_bytes=1 << 20).buckets)
         own_control = dtype == torch.float16
