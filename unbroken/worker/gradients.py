@@ -204,7 +204,7 @@ class GradientReducer:
         bucket's or the control buffer's tail when the member count changed."""
         self.pace, self._pace_where = None, ""
         device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
-        if self.control is not None and (pace is not None or self.control.numel() != CONTROL_SLOTS):
+        if self.control is not None:  # a half-precision model: its float64 control buffer carries it
             values = list(pace or [])
             if self.control.numel() != CONTROL_SLOTS + len(values):
                 self.control = torch.zeros(CONTROL_SLOTS + len(values), dtype=torch.float64, device=device)
@@ -215,7 +215,7 @@ class GradientReducer:
         if pace is None:
             self._pace_tail([])
             return
-        if pace_float64 or not self.buckets or self.control is not None:
+        if pace_float64 or not self.buckets:
             self._pace_tail([])
             self.pace = torch.tensor(pace, dtype=torch.float64, device=device)
             self._pace_where = "own"
@@ -307,7 +307,7 @@ class GradientReducer:
             values = first.flat[first.numel + len(first.params):].tolist()
             self.paces = _decode_pace(values[CONTROL_SLOTS:])
         else:
-            values = (self.control if self.control is not None else control).tolist()  # one read (one sync on a GPU)
+            values = control.tolist()  # one read (one sync on a GPU); with a float64 control buffer, all of it
             if self._pace_where == "control":
                 self.paces = values[CONTROL_SLOTS:]
         flag, loss, count, counting, stop = values[:CONTROL_SLOTS]
