@@ -5,6 +5,7 @@ norm. Writes the final parameters to ``--out/<member>.pt`` so that runs can be c
 """
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -115,6 +116,8 @@ if args.half:  # the gradients are divided by a count of ~count-scale tokens per
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2 * args.count_scale)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
 
+if args.resources:
+    atexit.register(lambda: threads_at_exit())  # before the Job's exit guard, so that it runs after it
 job = unbroken.Job(
     model,
     optimizer,
@@ -133,6 +136,17 @@ first_step = True
 
 def resources():
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def threads_at_exit():
+    """Registered before the Job's exit guard, so it runs after it: the threads left for the
+    interpreter's teardown (a Gloo worker thread still running then can abort the process)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    with open(args.resources, "a") as f:
+        f.write(json.dumps({"member": os.environ.get("UNBROKEN_MEMBER_ID"), "threads_at_exit": sorted(names)}) + "\n")
 
 
 local_rank = int(os.environ.get("LOCAL_RANK", "0"))

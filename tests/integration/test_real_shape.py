@@ -135,6 +135,12 @@ def test_fifty_failures_leave_file_descriptors_and_threads_bounded(tmp_path):
     assert len(run.events("fault")) == 50
     with open(resources) as f:
         records = [json.loads(line) for line in f]
+    # every process finished with its groups' Gloo worker threads joined: one left to the
+    # interpreter's teardown can drop a backward's allreduce after Python is gone and abort the
+    # finished process (SIGABRT), as a plain DDP script does under torch 2.13
+    at_exit = {r["member"]: r["threads_at_exit"] for r in records if "threads_at_exit" in r}
+    assert len(at_exit) == 3 and not any("pt_gloo_runloop" in names for names in at_exit.values()), at_exit
+    records = [r for r in records if "threads_at_exit" not in r]
     survivor = [r for r in records if r["member"].endswith(".w0.r0")]
     generations = sorted({r["generation"] for r in survivor})
     assert len(generations) >= 50, generations
