@@ -392,7 +392,7 @@ def abort_queued():
 
 @check("12 twelve generations: GPU memory and threads stay flat")
 def generations():
-    from unbroken.worker.group import Graveyard
+    from unbroken.worker.graveyard import Graveyard
 
     store = _store()
     graveyard = Graveyard()

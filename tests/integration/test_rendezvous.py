@@ -35,7 +35,8 @@ def _member(rank: int, size: int, port: int, scenario: str) -> None:
     import torch.distributed as dist
 
     from unbroken.errors import GenerationFailed
-    from unbroken.worker.group import Graveyard, GenerationGroup
+    from unbroken.worker.graveyard import Graveyard
+    from unbroken.worker.group import GenerationGroup
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=30)

@@ -147,8 +147,11 @@ class DefaultGroup:
     """Keeps torch.distributed's default group and the rank variables in step with the
     generation this member is in (see the module's docstring)."""
 
-    def __init__(self, failed: Callable[[GenerationFailed], None]) -> None:
+    def __init__(self, failed: Callable[[GenerationFailed], None], release: Callable[[Any], None] = lambda pg: None) -> None:
         self._failed = failed
+        self._release = release
+        """Takes a past generation's default group when the next one forms, to drop it where a
+        slow destructor holds up nothing (:meth:`unbroken.worker.graveyard.Graveyard.bury`)."""
         self._pg: GenerationProcessGroup | None = None
         self._saved_env: dict[str, str | None] | None = None
 
@@ -158,7 +161,9 @@ class DefaultGroup:
 
         if dist.is_initialized() and c10d._world.default_pg is not self._pg:
             return  # the script (or a replica group's mesh) made a default group of its own: leave it
-        self._forget()
+        past = self._forget()
+        if past is not None:
+            self._release(past)
         pg = GenerationProcessGroup(group, self._failed)
         c10d._update_default_pg(pg)
         c10d._world.pg_map[pg] = (group.backend, group.store)
@@ -174,19 +179,25 @@ class DefaultGroup:
         os.environ.update(values)
         tell_rank_zero_helpers(group.rank)
 
-    def _forget(self) -> None:
+    def _forget(self) -> GenerationProcessGroup | None:
+        """Stop being torch.distributed's default group; returns the group let go. Dropping it
+        can destroy the generation's backend (it references it), which for a broken generation can
+        wait on Gloo's threads: :meth:`enter` hands it to ``release`` instead."""
         from torch.distributed import distributed_c10d as c10d
 
-        if self._pg is None:
-            return
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return None
         for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks, c10d._world.pg_backend_config):
-            table.pop(self._pg, None)
-        if c10d._world.default_pg is self._pg:
+            table.pop(pg, None)
+        if c10d._world.default_pg is pg:
             c10d._update_default_pg(None)
-        self._pg = None
+        return pg
 
     def leave(self) -> None:
-        """After the loop: no default group, and the rank variables as they were."""
+        """After the loop: no default group, and the rank variables as they were. The last
+        generation's group is dropped here, so that its threads are joined before the interpreter's
+        teardown."""
         self._forget()
         for key, value in (self._saved_env or {}).items():
             if value is None:

@@ -50,7 +50,7 @@ class Joiner:
     """
 
     def __init__(self, job: JoiningJob) -> None:
-        from unbroken.worker.group import Graveyard
+        from unbroken.worker.graveyard import Graveyard
 
         self.job = job
         self.group: Any = None

@@ -167,7 +167,7 @@ class Job:
         self._pacing = job_setup.pacing(self.settings, self.distributed, self.plan, self._group, self._events)
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
         self._default_group = job_setup.default_group(self.settings, self.distributed, self._group,
-                                                      self._loop_guard.script_collective_failed)
+                                                      self._loop_guard.script_collective_failed, self._joiner.graveyard.bury)
 
     def _init_progress(self) -> None:
         """Where this member stands: no step committed, no generation joined, no live state."""

@@ -15,7 +15,8 @@ from unbroken.worker import devices
 from unbroken.worker import healing
 from unbroken.cli import main
 from unbroken.errors import ConfigError, GenerationFailed
-from unbroken.worker.group import GenerationGroup, Graveyard, Transport
+from unbroken.worker.graveyard import Graveyard
+from unbroken.worker.group import GenerationGroup, Transport
 from unbroken.worker.nccl import nccl_environment
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
