@@ -355,9 +355,17 @@ class Job:
         # Park (and, for NCCL, abort) the broken group first, then replace the gradient buffers:
         # the new ones are allocated after the old ones were let go, so that bucket memory is not
         # doubled at the worst moment (Gloo's pending work still holds the old ones until the
-        # graveyard releases it: docs/guide/gpus.md gives that peak).
+        # graveyard releases it: docs/guide/gpus.md gives that peak). Gloo's works are let go
+        # before the park instead: once parked, the graveyard may drop the group at once, and a
+        # work dropped here after that would hold the last reference to the broken Gloo context,
+        # whose destructor can wait here on Gloo's threads (20 s seen; the order frees nothing
+        # sooner or later on Gloo, whose pending work holds its buffers either way).
+        group = self._joiner.group
+        gloo_first = self._reducer is not None and group is not None and group.backend == "gloo"
+        if gloo_first:
+            self._reducer.renew_buffers()
         self._joiner.abandon(reason)
-        if self._reducer is not None:
+        if self._reducer is not None and not gloo_first:
             self._reducer.renew_buffers()
 
     def _stop(self, finished: bool) -> None:

@@ -2,6 +2,7 @@
 abandoned generation."""
 
 import threading
+import types
 
 import pytest
 import torch
@@ -60,6 +61,22 @@ def test_an_abandoned_generation_leaves_its_buffers_behind():
         assert bucket.flat.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
         before.fill_(7.0)  # what a stale collective writes later must not reach the new buffer
         assert not bucket.flat.eq(7.0).any()
+
+
+@pytest.mark.parametrize("backend, order", [("gloo", ["works let go", "parked"]), ("nccl", ["parked", "works let go"])])
+def test_a_gloo_step_lets_go_of_its_works_before_the_group_is_parked(backend, order):
+    """Once parked, the graveyard may drop a broken Gloo group at once; a work dropped after that
+    holds the last reference to its context, whose destructor waited 20 s on Gloo's threads in
+    the join. NCCL keeps abort-then-renew (the aborted work lets go of its GPU buffers first)."""
+    from unbroken.worker.runtime import Job
+
+    seen = []
+    job = Job.__new__(Job)
+    job._joiner = types.SimpleNamespace(group=types.SimpleNamespace(backend=backend),
+                                        abandon=lambda reason: seen.append("parked"))
+    job._reducer = types.SimpleNamespace(renew_buffers=lambda: seen.append("works let go"))
+    job._abandon("a peer was lost")
+    assert seen == order
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
