@@ -25,6 +25,7 @@ class Graveyard:
         self.poll = poll
         self._parked: list[tuple[GenerationGroup, float]] = []
         self._buried: list[Any] = []
+        self._destroying = 0  # buried objects being dropped now (counted until they are gone)
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self.released = 0
@@ -54,7 +55,7 @@ class Graveyard:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._parked) + len(self._buried)
+            return len(self._parked) + len(self._buried) + self._destroying
 
     def __bool__(self) -> bool:
         return len(self) > 0
@@ -67,7 +68,10 @@ class Graveyard:
                     return
                 parked = list(self._parked)
                 buried, self._buried = self._buried, []
+                self._destroying = len(buried)
             del buried[:]  # the last references of what was buried: destroyed here, not in a join
+            with self._lock:
+                self._destroying = 0
             now = time.monotonic()
             done = [(g, d) for g, d in parked if now >= d or g.idle()]
             for group, _ in done:
