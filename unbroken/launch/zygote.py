@@ -3,8 +3,7 @@
 Most of a worker's start is importing torch (about 1.6 s of CPU on this project's machines): a
 restarted worker pays it again before it can rejoin, and N workers starting together pay it N
 times over the node's cores. The launcher instead starts one zygote (``python -m
-unbroken.launch.zygote FD``) that imports ``torch``, ``torch.distributed`` and what a torch optimizer's
-constructor imports (``torch._dynamo``) once, and then forks
+unbroken.launch.zygote FD``) that imports ``torch`` and ``torch.distributed`` once, and then forks
 each worker. The child takes the worker's environment, working directory, session or process
 group and output pipe (passed over a Unix socket), and runs the script as ``python SCRIPT ARGS``
 or ``python -m MODULE ARGS`` would (:mod:`runpy`, as ``__main__``, ``sys.argv`` and ``sys.path[0]``
@@ -22,9 +21,6 @@ What a forked worker shares with the zygote, and why it is safe:
   fresh interpreter instead (:meth:`Zygote.can_start`).
 - its name: the zygote names itself ``unbroken-zygote`` (``/proc/PID/comm``, what ``top`` and
   ``ps -o comm`` show); a forked worker takes back its interpreter's name.
-- the heap: before serving, the zygote collects and then freezes what it holds (``gc.freeze()``,
-  as Python's documentation advises before a fork without exec), so a worker's garbage
-  collections skip the modules it inherited.
 - random state: Python's ``random`` reseeds itself in a forked child; numpy's global generator,
   if imported, is reseeded from the OS here; torch's default seed is the same fixed value as in
   a fresh interpreter.
@@ -34,7 +30,6 @@ What a forked worker shares with the zygote, and why it is safe:
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import select
@@ -355,20 +350,6 @@ def _run_worker(request: dict[str, Any]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def _preload_optimizers() -> None:
-    """Import what a torch optimizer's constructor imports, so that forked workers inherit it.
-
-    ``torch.optim.Optimizer.__init__`` imports ``torch._dynamo`` on first use: 1.4 s of CPU here,
-    which every worker paid in its first line of ``optimizer = AdamW(...)``, four workers on two
-    cores 3 s of wall time before they could join (90 % of their start-up, measured with py-spy).
-    The import starts no thread and touches no device. A torch without it is not an error.
-    """
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - a build without it: the workers import what they need
-        pass
-
-
 def main(argv: list[str]) -> None:
     """The zygote: import torch, tell the launcher it is ready, fork workers until it goes."""
     import warnings
@@ -383,13 +364,6 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
     import torch
     import torch.distributed  # noqa: F401 - what every worker imports next
-
-    _preload_optimizers()
-    # What the zygote holds now is every worker's for life: out of the cyclic collector's sight,
-    # a worker's collections (and the last one, at its exit) no longer walk torch's objects: 2 s
-    # of each worker's exit here, and no copy-on-write of pages the collector would have touched
-    gc.collect()
-    gc.freeze()
 
     assert not torch.cuda.is_initialized()  # never touch CUDA here: a context cannot survive a fork
     try:
