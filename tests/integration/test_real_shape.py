@@ -44,7 +44,10 @@ def test_steps_three_times_the_progress_timeout_survive_a_kill_without_fencing_a
     # The survivors were in the middle of a 4.5 s step: they left it within about one micro-batch.
     survivors = [e for e in run.events("generation") if e["t"] > fault["t"] and victim not in e["members"]]
     assert survivors, run.events("generation")
-    assert len(survivors[0]["members"]) == 3
+    first = run.events("generation")[0]["members"]
+    # every survivor is in it (the restarted worker, a new member, may already be too: a forked
+    # restart can be ready within the micro-batch the survivors take to leave the step)
+    assert set(first) - {victim} <= set(survivors[0]["members"]), (first, survivors[0])
     stall = survivors[0]["t"] - fault["t"]
     assert stall < micro + 0.25 + 1.0, f"the survivors re-formed {stall:.2f} s after the kill"
     finals = harness.final_params(f"{run_dir}/final")

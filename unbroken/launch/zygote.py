@@ -3,7 +3,8 @@
 Most of a worker's start is importing torch (about 1.6 s of CPU on this project's machines): a
 restarted worker pays it again before it can rejoin, and N workers starting together pay it N
 times over the node's cores. The launcher instead starts one zygote (``python -m
-unbroken.launch.zygote FD``) that imports ``torch`` and ``torch.distributed`` once, and then forks
+unbroken.launch.zygote FD``) that imports ``torch``, ``torch.distributed`` and what a torch optimizer's
+constructor imports (``torch._dynamo``) once, and then forks
 each worker. The child takes the worker's environment, working directory, session or process
 group and output pipe (passed over a Unix socket), and runs the script as ``python SCRIPT ARGS``
 or ``python -m MODULE ARGS`` would (:mod:`runpy`, as ``__main__``, ``sys.argv`` and ``sys.path[0]``
@@ -21,6 +22,9 @@ What a forked worker shares with the zygote, and why it is safe:
   fresh interpreter instead (:meth:`Zygote.can_start`).
 - its name: the zygote names itself ``unbroken-zygote`` (``/proc/PID/comm``, what ``top`` and
   ``ps -o comm`` show); a forked worker takes back its interpreter's name.
+- the heap: before serving, the zygote collects and then freezes what it holds (``gc.freeze()``,
+  as Python's documentation advises before a fork without exec), so a worker's garbage
+  collections skip the modules it inherited.
 - random state: Python's ``random`` reseeds itself in a forked child; numpy's global generator,
   if imported, is reseeded from the OS here; torch's default seed is the same fixed value as in
   a fresh interpreter.
@@ -41,6 +45,7 @@ import threading
 import time
 from typing import Any
 
+from unbroken.launch.preload import prepare_for_forking
 from unbroken.parent_death import die_with
 
 PER_WORKER = ("LOCAL_RANK", "UNBROKEN_MEMBER_ID", "UNBROKEN_RESTART_COUNT", "UNBROKEN_RANK_IN_GROUP",
@@ -364,6 +369,8 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
     import torch
     import torch.distributed  # noqa: F401 - what every worker imports next
+
+    prepare_for_forking()  # torch._dynamo imported, the heap frozen: see unbroken.launch.preload
 
     assert not torch.cuda.is_initialized()  # never touch CUDA here: a context cannot survive a fork
     try:

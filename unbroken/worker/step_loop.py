@@ -107,10 +107,14 @@ def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
             job._checkpointing.maybe_save()
             if job._pacing.evicted:
                 job._pacing.leave_as_straggler(job.next_step - 1, job.member_id)
+            verify = job.settings.verify_every and job.next_step % job.settings.verify_every == 0 and job.next_step < total
+            # a due replica check runs before a re-formation too: the members compare what one
+            # of them is about to heal a newcomer from (the reconfigure flag came in the step's
+            # reduce, so every member takes the same branch)
+            if verify and not job._together(job._verify_replicas(), "could not compare replicas"):
+                continue
             if step.reconfigure:
                 job._joiner.close_group()
-            elif job.settings.verify_every and job.next_step % job.settings.verify_every == 0 and job.next_step < total:
-                job._together(job._verify_replicas(), "could not compare replicas")
     finally:
         job._stop(finished)
 
