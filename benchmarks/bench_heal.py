@@ -48,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 
 from unbroken.worker import healing  # noqa: E402
 from unbroken.worker.group import GenerationGroup  # noqa: E402
-from unbroken.worker.warm_state import adopt_parameters, warm_model, warm_optimizer  # noqa: E402
+from unbroken.worker.warm_state import RELEASE_THREAD, adopt_parameters, warm_model, warm_optimizer  # noqa: E402
 
 GROUP_TIMEOUT = 600.0  # the receiver waits in a barrier while the sender measures (d) alone
 
@@ -135,6 +135,11 @@ def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
         row["heal_warm_s"] = time.perf_counter() - t
         if rank == 1:
             del received, warm, newcomer, newcomer_optimizer
+            # the newcomer's replaced parameter memory is freed on a thread of its own, off the
+            # heal's path: let it finish before the next measurement shares the cores with it
+            for thread in threading.enumerate():
+                if thread.name == RELEASE_THREAD:
+                    thread.join()
         # (b) broadcast into a buffer in use
         barrier()
         t = time.perf_counter()

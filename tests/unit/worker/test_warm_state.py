@@ -3,11 +3,13 @@ landing in it (healing.recv_state's ``into``)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from tests.unit.worker.test_healing import _Link, _assert_same, _sizes
-from unbroken.worker import healing
+from unbroken.worker import healing, warm_state
 from unbroken.worker.warm_state import adopt_parameters, warm_model, warm_optimizer
 
 
@@ -142,3 +144,38 @@ def test_only_received_tensors_that_fit_exactly_are_adopted_and_tied_parameters_
     pointer = weight.data_ptr()
     assert adopt_parameters(model, other) == 0  # another dtype; a view of a larger storage
     assert weight.data_ptr() == pointer
+
+
+def test_adopting_parameters_frees_their_old_memory_on_a_thread_of_its_own():
+    model = torch.nn.Linear(256, 256)
+    old = [p.detach() for p in model.parameters()]  # views of the memory the adoption replaces
+    threads = []
+    real = warm_state.release_in_background
+
+    def spy(tensors):
+        threads.append(real(list(tensors)))  # a copy: the real one clears its list
+        return threads[-1]
+
+    received = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    warm_state.release_in_background = spy
+    try:
+        assert adopt_parameters(model, received) > 0
+    finally:
+        warm_state.release_in_background = real
+    assert len(threads) == 1 and threads[0].name == warm_state.RELEASE_THREAD
+    threads[0].join(10)
+    assert not threads[0].is_alive()
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == received[n].data_ptr()
+    # the model's old memory is still held by the test's views, and only by them: untouched
+    assert all(t.untyped_storage().nbytes() > 0 for t in old)
+
+
+def test_release_in_background_empties_the_tensors_it_is_given_off_the_calling_thread():
+    tensors = [torch.ones(1000), torch.ones(10)]
+    seen = list(tensors)
+    thread = warm_state.release_in_background(tensors)
+    assert thread is not None and thread is not threading.current_thread()
+    thread.join(10)
+    assert all(t.untyped_storage().nbytes() == 0 for t in seen)
+    assert warm_state.release_in_background([]) is None
