@@ -15,6 +15,7 @@ from typing import Any
 
 from unbroken.errors import ConfigError
 from unbroken.launch.restarts import RestartPolicy
+from unbroken.worker.backend_names import check_backend_name
 
 log = logging.getLogger("unbroken.launch.launcher")  # moved out of the launcher; its messages keep their logger
 
@@ -172,14 +173,17 @@ class LaunchSettings:
             _check_module(self.script)
         elif not os.path.isfile(self.script):
             raise ConfigError(f"training script not found: {self.script!r}")
-        from unbroken.worker.devices import check_backend_available
+        # no torch for flags: the zygote starts only once they are checked (worker.backend_names)
+        check_backend_name(self.backend)
+        if self.backend == "nccl":
+            from unbroken.worker.devices import check_backend_available
 
-        check_backend_available(self.backend)
+            check_backend_available(self.backend)
         if self.chaos:
             from unbroken.worker.chaos import parse
 
             parse(self.chaos)
-        from unbroken.storage.checkpoint import CheckpointSettings
+        from unbroken.storage.checkpoint_settings import CheckpointSettings
 
         CheckpointSettings(self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)  # validates
         if self.etcd:

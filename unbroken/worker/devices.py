@@ -18,8 +18,8 @@ import os
 import torch
 
 from unbroken.errors import ConfigError
+from unbroken.worker.backend_names import BACKENDS, check_backend_name  # noqa: F401 - offered here as before
 
-BACKENDS = ("auto", "gloo", "nccl")
 
 
 def cuda_usable() -> bool:
@@ -51,12 +51,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
         names = ", ".join(sorted(str(d) for d in found))
         raise ConfigError(f"the model's parameters and buffers are on several devices ({names}); put the whole model on one device")
     return found.pop()
-
-
-def check_backend_name(name: str) -> str:
-    if name not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    return name
 
 
 def check_backend_available(name: str) -> None:
