@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 import pytest
@@ -406,3 +407,17 @@ def test_the_coordinators_defaults_are_the_settings_own():
                  "quorum_timeout", "heartbeat_timeout"):
         assert getattr(args, name) == fields[name].default, name
     assert args.leader_lease == LeadershipSettings.__dataclass_fields__["lease"].default
+
+
+def test_unbroken_run_freezes_its_heap_before_the_interpreter_exits(tmp_path, capsys):
+    # the interpreter's last collection would walk torch's objects (0.2-0.4 s of every run's end)
+    gc.unfreeze()
+    try:
+        assert main(["run", "--run-dir", str(tmp_path / "run"), str(tmp_path / "missing.py")]) == 2
+        assert gc.get_freeze_count() > 0
+        gc.unfreeze()
+        assert main(["report", str(tmp_path / "nothing")]) == 2  # another command: no run directory there
+        assert gc.get_freeze_count() == 0  # only `run` freezes
+    finally:
+        gc.unfreeze()
+    assert "training script not found" in capsys.readouterr().err
