@@ -29,7 +29,7 @@ def test_steps_three_times_the_progress_timeout_survive_a_kill_without_fencing_a
     single = harness.single_process(str(tmp_path / "single"), "--steps", str(steps), "--micro-batch-size", "1")
     run_dir = str(tmp_path / "run")
     run = harness.unbroken(
-        run_dir, "--nproc-per-node", "4", *FAST, "--collective-timeout", "20",
+        run_dir, "--nproc-per-node", "4", *FAST, "--collective-timeout", "20", "--record-samples",
         "--chaos", "kill@step,rank=1,step=2",
         harness.EXACT, "--steps", str(steps), "--micro-batch-size", "1", "--micro-delay", str(micro),
         "--out", f"{run_dir}/final", timeout=240,
@@ -54,6 +54,7 @@ def test_steps_three_times_the_progress_timeout_survive_a_kill_without_fencing_a
     assert len(finals) >= 3
     for member, params in finals.items():
         assert harness.max_relative_difference(params, single) < 1e-8, member
+    harness.check_exactly_once(run_dir, steps, harness.GLOBAL)  # and the invariants over every commit
 
 
 def test_a_first_step_three_times_the_progress_timeout_fences_nobody(tmp_path):

@@ -109,7 +109,7 @@ def test_two_kills_and_a_rejoin_end_with_the_same_model(tmp_path, reference):
 def test_buffers_stay_identical_on_every_member_after_every_step_despite_a_kill(tmp_path):
     run_dir = str(tmp_path / "run")
     run = harness.unbroken(
-        run_dir, "--nproc-per-node", "3", "--chaos", "kill@allreduce,rank=1,step=4",
+        run_dir, "--nproc-per-node", "3", "--record-samples", "--chaos", "kill@allreduce,rank=1,step=4",
         harness.EXACT, "--steps", "16", "--step-delay", "0.1", "--batchnorm", "--out", f"{run_dir}/final",
         env={"UNBROKEN_VERIFY_EVERY": "1"},
     )
@@ -126,3 +126,4 @@ def test_buffers_stay_identical_on_every_member_after_every_step_despite_a_kill(
     first = next(iter(finals.values()))
     for params in finals.values():
         assert all(torch.equal(params[k], first[k]) for k in first)
+    harness.check_exactly_once(run_dir, 16, GLOBAL)  # and the invariants over every commit
