@@ -20,21 +20,13 @@ from __future__ import annotations
 import gc
 
 
-def preload_optimizers() -> None:
-    """Import what a torch optimizer's constructor imports; a torch without it is not an error."""
+def prepare_for_forking() -> None:
+    """Everything the zygote does between importing torch and serving its first fork: import what
+    a torch optimizer's constructor imports (a torch without it is not an error), then collect
+    and freeze what survives."""
     try:
         import torch._dynamo  # noqa: F401
     except Exception:  # noqa: BLE001 - a build without it: the workers import what they need
         pass
-
-
-def settle_heap() -> None:
-    """Collect, then freeze what survives: the inherited heap stays out of workers' collections."""
     gc.collect()
     gc.freeze()
-
-
-def prepare_for_forking() -> None:
-    """Everything the zygote does between importing torch and serving its first fork."""
-    preload_optimizers()
-    settle_heap()

@@ -21,7 +21,6 @@ from unbroken.errors import ConfigError
 from unbroken.worker.backend_names import BACKENDS, check_backend_name  # noqa: F401 - offered here as before
 
 
-
 def cuda_usable() -> bool:
     """Whether this process can use CUDA (never initialises it when no driver is there)."""
     return torch.cuda.is_available()

@@ -146,7 +146,7 @@ def test_only_received_tensors_that_fit_exactly_are_adopted_and_tied_parameters_
     assert weight.data_ptr() == pointer
 
 
-def test_adopting_parameters_frees_their_old_memory_on_a_thread_of_its_own():
+def test_adopting_parameters_frees_their_old_memory_on_a_thread_of_its_own(monkeypatch):
     model = torch.nn.Linear(256, 256)
     old = [p.detach() for p in model.parameters()]  # views of the memory the adoption replaces
     threads = []
@@ -157,11 +157,8 @@ def test_adopting_parameters_frees_their_old_memory_on_a_thread_of_its_own():
         return threads[-1]
 
     received = {n: torch.randn_like(p) for n, p in model.named_parameters()}
-    warm_state.release_in_background = spy
-    try:
-        assert adopt_parameters(model, received) > 0
-    finally:
-        warm_state.release_in_background = real
+    monkeypatch.setattr(warm_state, "release_in_background", spy)
+    assert adopt_parameters(model, received) > 0
     assert len(threads) == 1 and threads[0].name == warm_state.RELEASE_THREAD
     threads[0].join(10)
     assert not threads[0].is_alive()
