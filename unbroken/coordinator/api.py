@@ -15,6 +15,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
+from unbroken.coordinator.line_requests import WRONG_TOKEN
 from unbroken.coordinator.line_watch import CONNECTION_CLOSED, LineWatch
 from unbroken.coordinator.membership import MemberState
 
@@ -58,9 +59,7 @@ class CoordinatorApi(LineWatch):
         async def authenticate(request, handler):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
-                return web.json_response(
-                    {"error": "missing or wrong token: pass --token or set UNBROKEN_TOKEN to the job's token"}, status=401
-                )
+                return web.json_response({"error": WRONG_TOKEN}, status=401)
             return await handler(request)
 
         return authenticate
@@ -79,14 +78,18 @@ class CoordinatorApi(LineWatch):
         return web.json_response(payload)
 
     async def _join(self, request):
-        body = await self._json(request)
+        return self._reply(await self._join_body(await self._json(request), request.transport))
+
+    async def _join_body(self, body: dict[str, Any], transport: Any) -> dict[str, Any]:
+        """A join's answer (a long poll: held until the member is formed, or ``hold``), on the
+        member's line ``transport``; from aiohttp's handler and from the lean line's."""
         member_id = body["member"]
         refusal = self._refusal(member_id)
         if refusal is not None:
-            return self._reply({"status": "refused", "reason": refusal})
+            return {"status": "refused", "reason": refusal}
         mismatch = self._mismatch(member_id, body.get("preflight"))
         if mismatch is not None:
-            return self._reply({"status": "mismatch", "reason": mismatch})
+            return {"status": "mismatch", "reason": mismatch}
         after = int(body.get("after", 0))
         self.state.min_generation = max(self.state.min_generation, after)
         warm = bool(body.get("warm", True))
@@ -113,7 +116,7 @@ class CoordinatorApi(LineWatch):
         lean = bool(body.get("lean"))
         hold = body.get("hold")  # shorter than the coordinator's: a member catching up asks again soon
         deadline = time.monotonic() + self._join_hold(hold if isinstance(hold, (int, float)) else None)
-        transport = self._watch_line(member_id, request)
+        self._watch_line(member_id, transport)
         try:
             return await self._answer_join(member_id, after, lean, deadline)
         except asyncio.CancelledError:
@@ -130,15 +133,14 @@ class CoordinatorApi(LineWatch):
         hold = min(self.settings.hold, self.state.settings.heartbeat_timeout / 3)
         return hold if asked is None else max(0.0, min(float(asked), hold))
 
-    async def _answer_join(self, member_id: str, after: int, lean: bool, deadline: float):
+    async def _answer_join(self, member_id: str, after: int, lean: bool, deadline: float) -> dict[str, Any]:
         while True:
             current = self.state.current
             member = self.state.members.get(member_id)
             durable = self.leadership is None or (current is not None and current.number <= self._durable)
             rank = current.ranks.get(member_id) if current is not None else None
             if current is not None and durable and current.number > after and rank is not None and member is not None and member.state is MemberState.ACTIVE:
-                return self._reply(
-                    {
+                return {
                         "status": "formed",
                         "incarnation": self.incarnation,
                         "generation": current.number,
@@ -151,23 +153,37 @@ class CoordinatorApi(LineWatch):
                         "store_host": self.settings.advertise_host or self.settings.host,
                         "store_port": self.store_port,
                         **({"coordinators": self._coordinators} if self._coordinators else {}),
-                    }
-                )
+                }
             if self.state.finished:
-                return self._reply({"status": "finished"})
+                return {"status": "finished"}
             if self.state.failed:
-                return self._reply({"status": "failed", "reason": self.state.failed})
+                return {"status": "failed", "reason": self.state.failed}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return self._reply({"status": "wait"})
+                return {"status": "wait"}
             await self._wait_change(remaining, member_id)
 
     async def _heartbeat(self, request):
         body = await self._json(request)
+        transport = request.transport  # None once closed: the line it was is compared below
+        member_id, seen, deadline = self._heartbeat_start(body, transport)
+        try:
+            while (view := self._heartbeat_answer(member_id, seen, deadline)) is None:
+                await self._wait_change(deadline - time.monotonic(), member_id)
+            return self._reply(view)
+        except asyncio.CancelledError:
+            self._line_closed(member_id, transport)
+            raise
+        finally:
+            self._line_idle(member_id, transport)
+
+    def _heartbeat_start(self, body: dict[str, Any], transport: Any) -> tuple[str, dict[str, Any], float]:
+        """Take a heartbeat's report, on the member's line ``transport``; returns the member, the
+        view it has seen, and until when its poll may be held."""
         member_id = body["member"]
         seen = body.get("seen") or {}
         deadline = time.monotonic() + min(float(body.get("hold", self.settings.hold)), self.settings.hold)
-        transport = self._watch_line(member_id, request)
+        self._watch_line(member_id, transport)
         progress = body.get("progress")
         self.state.heartbeat(
             member_id,
@@ -181,18 +197,14 @@ class CoordinatorApi(LineWatch):
         )
         if self.leadership is None and self.state.take_survivors(time.monotonic()):
             self._bump()  # the last survivor of a verdict reported waiting in a collective
-        try:
-            while True:
-                view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or (view != seen and self._news(member_id, view, seen)):
-                    return self._reply(view)
-                await self._wait_change(remaining, member_id)
-        except asyncio.CancelledError:
-            self._line_closed(member_id, transport)
-            raise
-        finally:
-            self._line_idle(member_id, transport)
+        return member_id, seen, deadline
+
+    def _heartbeat_answer(self, member_id: str, seen: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+        """A held heartbeat's answer now (its hold is over, or its view has news), else None."""
+        view = {**self.state.view_for(member_id), "incarnation": self.incarnation}
+        if deadline <= time.monotonic() or (view != seen and self._news(member_id, view, seen)):
+            return view
+        return None
 
     def _news(self, member_id: str, view: dict[str, Any], seen: dict[str, Any]) -> bool:
         """Whether ``view`` tells the member something its own join does not: a held heartbeat

@@ -39,15 +39,14 @@ class LineWatch:
     _idle_connections: dict[str, Any]
     _bump: Callable[[], None]
 
-    def _watch_line(self, member_id: str, request: Any) -> Any:
-        """The connection of a member's heartbeat or join is its line (:mod:`unbroken.coordinator.member_line`):
-        watched while a poll holds it (aiohttp cancels the handler when it closes), and by looking
-        between polls; the newest one counts."""
-        transport = request.transport
+    def _watch_line(self, member_id: str, transport: Any) -> None:
+        """The connection (``transport``) of a member's heartbeat or join is its line
+        (:mod:`unbroken.coordinator.member_line`): watched while a poll holds it (aiohttp cancels
+        the handler when it closes; the lean line tells at once), and by looking between polls;
+        the newest one counts."""
         self._idle_connections.pop(member_id, None)
         if transport is not None:
             self._heartbeat_connections[member_id] = transport
-        return transport
 
     def _line_idle(self, member_id: str, transport: Any) -> None:
         if transport is not None and self._heartbeat_connections.get(member_id) is transport:

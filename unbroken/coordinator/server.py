@@ -58,6 +58,8 @@ from unbroken.coordinator.api import CoordinatorApi
 from unbroken.coordinator.settings import CoordinatorSettings  # noqa: F401  (the coordinator's settings, named here too)
 from unbroken.errors import ConfigError
 from unbroken.coordinator.leading import Leading
+from unbroken.coordinator.line_requests import LineRequests
+from unbroken.coordinator.line_server import LineConnection
 from unbroken.coordinator.long_polls import LongPolls
 from unbroken.coordinator.membership import Membership, MembershipSettings
 from unbroken.coordinator.state_loss import state_loss
@@ -90,7 +92,7 @@ def collect_less_often() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-class Coordinator(CoordinatorApi, Leading, LongPolls):
+class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
     """Serves the membership API and hosts the TCPStore. Start with :meth:`start_in_thread`
     (embedded) or :meth:`serve_forever` (standalone)."""
 
@@ -125,6 +127,9 @@ class Coordinator(CoordinatorApi, Leading, LongPolls):
         self._waking = False
         self._shared: tuple[Any, ...] | None = None
         """The view shared by every member at the last wake-up (see :meth:`_wake_changed`)."""
+        self._lines: set[LineConnection] = set()
+        """The connections the lean line server serves (:mod:`unbroken.coordinator.line_server`)."""
+        self._server: asyncio.AbstractServer | None = None
         self._members_body: tuple[int, bytes] | None = None
         """The newest generation's member list as a JSON body, serialized once per generation."""
         self._leading = False
@@ -195,12 +200,18 @@ class Coordinator(CoordinatorApi, Leading, LongPolls):
         # handler_cancellation: a held heartbeat learns at once that its member's connection closed
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
+        # every connection starts on the lean line server, which hands the other requests to
+        # aiohttp's (:mod:`unbroken.coordinator.line_server`)
+        fallback = self._runner.server
+        assert fallback is not None
         # reuse_address: a coordinator restarted in place binds its port at once, not after TIME_WAIT
-        # backlog: thousands of members connect at once when a job starts (aiohttp's default is 128;
-        # the kernel caps it at net.core.somaxconn)
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True, backlog=4096)
+        # backlog: thousands of members connect at once when a job starts (the kernel caps it at
+        # net.core.somaxconn)
         try:
-            await site.start()
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: LineConnection(self, fallback, self._lines), self.settings.host, self.settings.port,
+                reuse_address=True, backlog=4096,
+            )
         except OSError as exc:
             await self._runner.cleanup()
             if exc.errno == errno.EADDRINUSE:
@@ -209,7 +220,7 @@ class Coordinator(CoordinatorApi, Leading, LongPolls):
                     " choose another with --coordinator-port, or 0 for any free port"
                 ) from None
             raise ConfigError(f"cannot listen on {self.settings.host}:{self.settings.port}: {exc}") from None
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self._server.sockets[0].getsockname()[1]
         if self.leadership is not None and not self.leadership.me:
             self.leadership.me = f"{self.settings.advertise_host or self.settings.host}:{self.port}"
         self._watcher = asyncio.get_running_loop().create_task(self._watch_deadlines())
@@ -241,7 +252,7 @@ class Coordinator(CoordinatorApi, Leading, LongPolls):
                 return
             ready.set()
             loop.run_until_complete(self._wait_stopped())
-            loop.run_until_complete(self._runner.cleanup())
+            loop.run_until_complete(self._close_servers())
             loop.close()
 
         self._thread = threading.Thread(target=run, name="unbroken-coordinator", daemon=True)
@@ -260,6 +271,13 @@ class Coordinator(CoordinatorApi, Leading, LongPolls):
             await self.leadership.resign()  # hand over at once instead of after the lease
             await self.leadership.gateway.close()
 
+    async def _close_servers(self) -> None:
+        """Stop listening, close the lean lines, and let aiohttp close the connections it serves."""
+        self._server.close()
+        for line in list(self._lines):
+            line.close()
+        await self._runner.cleanup()
+
     def serve_forever(self) -> None:
         """Run in the calling thread until :meth:`stop` (or Ctrl-C)."""
         collect_less_often()  # a process of its own: nothing else in it minds
@@ -271,7 +289,7 @@ class Coordinator(CoordinatorApi, Leading, LongPolls):
             await self._start_http()
             print(f"unbroken coordinator listening on {self.settings.host}:{self.port} (store port {self.store_port})", flush=True)
             await self._wait_stopped()
-            await self._runner.cleanup()
+            await self._close_servers()
 
         asyncio.run(main())
 
