@@ -208,6 +208,7 @@ def simulate(simulators: list[Simulator], n: int, pid: int, lag_file: str, inter
     holder = next(s for s in simulators if s.holds(victim))
     ask(simulators, {"do": "mark"}, slack)  # every simulator counts its requests from here
     cpu0 = cpu_seconds(pid)
+    simulators_cpu0 = sum(cpu_seconds(s.process.pid) for s in simulators)
     holder.send({"do": "kill", "index": victim})
     killed = holder.receive(slack)["killed"]
     replies = ask(simulators, {"do": "await", "generation": 2, "limit": limit}, limit + slack)
@@ -216,7 +217,9 @@ def simulate(simulators: list[Simulator], n: int, pid: int, lag_file: str, inter
     result.update(
         reform_requests_per_member=round(sum(r["requests"] for r in replies) / max(n - 1, 1), 2),
         reform_s=round(announced - killed, 3) if announced else None,
+        reform_first_s=round(min(r["first"] for r in replies if r["first"] is not None) - killed, 3) if announced else None,
         reform_cpu_s=round(cpu_seconds(pid) - cpu0, 3),
+        reform_simulators_cpu_s=round(sum(cpu_seconds(s.process.pid) for s in simulators) - simulators_cpu0, 3),
         reform_loop_lag_max_ms=round(1000 * worst_lag(lag_file, killed, done), 1),
         formed_reply_bytes=sum(r["formed_bytes"] for r in replies),
         request_errors=sum(r["errors"] for r in replies),
@@ -246,9 +249,9 @@ def run_size(n: int, args, src: str) -> dict:
                           "survivors": args.survivors, "news_hold": list(hold)}
                 simulators.append(Simulator(config))
                 simulators[-1].send(config)
-            for simulator in simulators:
-                simulator.receive(60.0)  # ready: every one is up before the members start
-            return simulate(simulators, n, server.pid, lag_file, args.interval, args.steady, args.limit, args.survivors)
+            loops = {simulator.receive(60.0)["loop"] for simulator in simulators}  # every one is up before the members start
+            result = simulate(simulators, n, server.pid, lag_file, args.interval, args.steady, args.limit, args.survivors)
+            return {**result, "simulator_loop": "/".join(sorted(loops))}
         finally:
             for simulator in simulators:
                 simulator.close()

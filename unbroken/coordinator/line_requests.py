@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
+
+import orjson
 
 if TYPE_CHECKING:
     from unbroken.coordinator.line_server import LineConnection
@@ -91,7 +92,7 @@ class LineRequests:
         if self._refuse_not_leading(connection, "is a candidate that does not lead"):
             return
         try:
-            body = json.loads(raw)
+            body = orjson.loads(raw)
         except ValueError:
             body = None
         if not isinstance(body, dict) or not isinstance(body.get("member", ""), str) or "member" not in body:

@@ -18,8 +18,9 @@ the benchmark's simulated members need no change.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Callable, Protocol
+
+import orjson
 
 from unbroken.coordinator.member_line import LINE_PATHS
 
@@ -134,7 +135,7 @@ class LineConnection(asyncio.Protocol):
         self._busy = False
         if self.transport is None:
             return
-        body = json.dumps(payload).encode()
+        body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
         self.transport.write(
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n%s\r\n%s"
             % (status, REASONS[status], len(body), b"Connection: close\r\n" if self._close_after else b"", body)

@@ -20,6 +20,9 @@ class MemberState(enum.Enum):
     DEAD = "dead"
     LEFT = "left"
 
+    __hash__ = object.__hash__  # members are singletons: Enum's own hash is Python code, and the
+    # coordinator counts states in a dict at every change of 16,000 members' states
+
 
 class GenerationState(enum.Enum):
     ACTIVE = "active"

@@ -132,14 +132,14 @@ class Membership(Liveness, MemberRequests):
             self._counts[member.state] += 1
             self._blocked_active += _counts_blocked(member)
             self._max_step = max(self._max_step, member.step)
-            if member.state.value in _LIVE:
+            if member.state._value_ in _LIVE:
                 self._arm(member)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _enter(self, member: Member, state: MemberState, now: float) -> None:
         """Move ``member`` to ``state``, keeping every count and index in step."""
-        was_live = member.state.value in _LIVE
+        was_live = member.state._value_ in _LIVE
         self._blocked_active -= _counts_blocked(member)
         self._counts[member.state] -= 1
         self._counts[state] += 1
@@ -147,7 +147,7 @@ class Membership(Liveness, MemberRequests):
         self._blocked_active += _counts_blocked(member)
         self.changed_members.add(member.id)
         self.version += 1
-        if state.value in _LIVE:
+        if state._value_ in _LIVE:
             member.ended_at = None
             if not was_live:
                 self._arm(member)
@@ -161,7 +161,7 @@ class Membership(Liveness, MemberRequests):
         self._blocked_active += _counts_blocked(member)
         self.changed_members.add(member.id)
         self.version += 1
-        if member.state.value in _LIVE:
+        if member.state._value_ in _LIVE:
             self._arm(member)
         else:
             self._ended.append((member.ended_at or 0.0, member.id))

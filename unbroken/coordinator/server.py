@@ -123,7 +123,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         """Long polls waiting for a change, by member: a change of one member's view wakes only
         its own; a change of the view shared by all wakes all of them, once."""
         self._to_wake: collections.deque[asyncio.Future] = collections.deque()
-        """Polls to wake, in batches of ``wake_batch`` per turn of the event loop."""
+        """Polls to wake, ``wake_slice`` seconds of them per turn of the event loop."""
         self._waking = False
         self._shared: tuple[Any, ...] | None = None
         """The view shared by every member at the last wake-up (see :meth:`_wake_changed`)."""
@@ -274,6 +274,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
     async def _close_servers(self) -> None:
         """Stop listening, close the lean lines, and let aiohttp close the connections it serves."""
         self._server.close()
+        self._resume_collection()
         for line in list(self._lines):
             line.close()
         await self._runner.cleanup()

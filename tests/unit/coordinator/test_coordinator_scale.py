@@ -201,24 +201,50 @@ def test_a_roster_fetches_single_ids_then_the_whole_list_once_and_names_unknown_
     assert list(gone) == ["rank0", "m1", "rank2"] and gone[0] == "rank0"
 
 
-def test_a_change_that_concerns_every_poll_wakes_them_in_batches_between_which_the_loop_turns():
+def test_a_change_that_concerns_every_poll_wakes_them_in_slices_between_which_the_loop_turns():
     from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 
-    coordinator = Coordinator(CoordinatorSettings(hold=0.5, wake_batch=10), MembershipSettings(expected_members=2))
+    coordinator = Coordinator(CoordinatorSettings(hold=0.5, wake_slice=0.0), MembershipSettings(expected_members=2))
 
     async def run():
-        polls = [asyncio.ensure_future(coordinator._wait_change(5.0, f"m{i}")) for i in range(35)]
+        polls = [asyncio.ensure_future(coordinator._wait_change(5.0, f"m{i}")) for i in range(300)]
         await asyncio.sleep(0)
         coordinator._wake_all()
         done_per_turn = []
-        for _ in range(6):
+        for _ in range(8):
             await asyncio.sleep(0)
             done_per_turn.append(sum(p.done() for p in polls))
         return done_per_turn
 
     done = asyncio.run(run())
-    assert done[0] <= 10 and done[-1] == 35
+    assert done[0] <= 64 and done[-1] == 300  # a slice of no time still wakes one chunk of 64
     assert len(set(done)) >= 4  # several turns of the loop, not one
+
+
+def test_the_garbage_collector_waits_while_thousands_of_polls_are_woken_and_runs_again_after():
+    import gc
+
+    from unbroken.coordinator.long_polls import GC_PAUSE_FROM
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+
+    coordinator = Coordinator(CoordinatorSettings(hold=0.5, wake_slice=0.0), MembershipSettings(expected_members=2))
+
+    async def run(polls: int):
+        waiters = [asyncio.ensure_future(coordinator._wait_change(5.0, f"m{i}")) for i in range(polls)]
+        await asyncio.sleep(0)
+        coordinator._wake_all()
+        enabled = []
+        while coordinator._to_wake:  # a turn that leaves some to wake
+            enabled.append(gc.isenabled())
+            await asyncio.sleep(0)
+        await asyncio.gather(*waiters)
+        return enabled, gc.isenabled()
+
+    assert gc.isenabled()
+    during, after = asyncio.run(run(GC_PAUSE_FROM))
+    assert len(during) >= 2 and not any(during) and after
+    during, after = asyncio.run(run(200))  # a few hundred polls: nothing paused
+    assert len(during) >= 2 and all(during) and after
 
 
 def test_a_join_that_crossed_the_formation_of_its_generation_is_answered_with_it_and_changes_nothing():
