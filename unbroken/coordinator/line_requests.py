@@ -84,6 +84,8 @@ class LineRequests:
     _heartbeat_answer: Callable[..., dict[str, Any] | None]
     _line_idle: Callable[[str, Any], None]
     _line_closed: Callable[[str, Any], None]
+    _waking: bool
+    _defer_serving: Callable[[Any], None]
 
     def _line_request(self, connection: LineConnection, path: str, authorization: bytes, raw: bytes) -> None:
         if self.settings.token and not hmac.compare_digest(authorization, f"Bearer {self.settings.token}".encode()):
@@ -135,6 +137,8 @@ class LineRequests:
             poll.wait()
         else:
             self._poll_answer(poll, view)
+            if self._waking and poll.connection.transport is not None:
+                self._defer_serving(poll.connection)
 
     def _poll_expired(self, poll: HeldPoll) -> None:
         if not poll.over:  # its hold is over (a timer may fire a hair early: no view compared)

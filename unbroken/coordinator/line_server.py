@@ -60,6 +60,8 @@ class LineConnection(asyncio.Protocol):
         self._busy = False
         self._parsing = False
         self._close_after = False
+        self._deferred = False
+        """Read, but not served until :meth:`serve_again` (see ``LongPolls._defer_serving``)."""
 
     # -- asyncio's protocol --------------------------------------------------------------------
 
@@ -69,7 +71,7 @@ class LineConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
-        if not self._busy and not self._parsing:
+        if not self._busy and not self._parsing and not self._deferred:
             self._parse()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -157,6 +159,16 @@ class LineConnection(asyncio.Protocol):
         handler.connection_made(transport)
         if data:
             handler.data_received(data)
+
+    def defer_serving(self) -> None:
+        """Keep reading, but serve no request until :meth:`serve_again` (a closing line is still
+        noticed at once: no system call, unlike pausing the transport's reading)."""
+        self._deferred = True
+
+    def serve_again(self) -> None:
+        self._deferred = False
+        if self._buffer and not self._busy and not self._parsing and self.transport is not None:
+            self._parse()
 
     def close(self) -> None:
         if self.transport is not None:

@@ -125,6 +125,8 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         self._to_wake: collections.deque[asyncio.Future] = collections.deque()
         """Polls to wake, ``wake_slice`` seconds of them per turn of the event loop."""
         self._waking = False
+        self._deferred_lines: collections.deque[Any] = collections.deque()
+        """Lean lines not served until the current wake-up ends (:meth:`_defer_serving`)."""
         self._shared: tuple[Any, ...] | None = None
         """The view shared by every member at the last wake-up (see :meth:`_wake_changed`)."""
         self._lines: set[LineConnection] = set()
@@ -275,6 +277,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         """Stop listening, close the lean lines, and let aiohttp close the connections it serves."""
         self._server.close()
         self._resume_collection()
+        self._deferred_lines.clear()
         for line in list(self._lines):
             line.close()
         await self._runner.cleanup()

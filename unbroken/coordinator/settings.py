@@ -29,11 +29,9 @@ class CoordinatorSettings:
     wake_slice: float = 0.25
     """Seconds of one turn of the event loop spent waking long polls when a change concerns many
     (a generation formed or broke); then the loop reads the requests that came meanwhile, so none
-    waits much longer than this. Long slices re-form survivors soonest: each answer is one that a
-    stalled member waits for, while most requests read between slices are the next heartbeats of
-    members already answered, which would only be held (16,384 simulated members, runs in one
-    hour: 0.58-0.80 s from a kill to all re-formed at 0.25 s, 1.06-1.49 s at 0.1 s and 0.02 s). Below ``stall_excuse``,
-    so that a slice is never taken for the coordinator's own stall."""
+    waits much longer than this; the lines a slice answered are not served until the last slice
+    (their next heartbeat would only be held). Below ``stall_excuse``, so that a slice is never
+    taken for the coordinator's own stall."""
     connection_sweep: float = 2.0
     """How often every member's heartbeat connection is checked for closing, as a backstop (O(N)):
     the ones between polls are checked every ``check_interval``, and the current generation's

@@ -140,10 +140,16 @@ def test_a_held_heartbeat_answers_at_the_end_of_its_hold_or_at_once_with_news(co
         b.send(_request("POST", "/v1/heartbeat", {"member": "b", "seen": {}, "hold": 0.0}, token="s3cret"))
         status, view_b = b.response()
         b.send(_request("POST", "/v1/heartbeat", {"member": "b", "seen": view_b, "hold": 30.0}, token="s3cret"))
-        _wait(lambda: any(p.member_id == "b" for group in coordinator._waiters.values() for p in group), 5, "b's held poll")
+        a.send(_request("POST", "/v1/heartbeat", {"member": "a", "seen": view, "hold": 30.0}, token="s3cret"))
+        held = lambda m: any(p.member_id == m for group in coordinator._waiters.values() for p in group)  # noqa: E731
+        _wait(lambda: held("a") and held("b"), 5, "a's and b's held polls")
         b.close()
         _wait(lambda: coordinator.state.members["b"].state is MemberState.DEAD, 5, "b declared dead")
         assert coordinator.state.members["b"].death_reason and "connection" in coordinator.state.members["b"].death_reason
+        status, woken = a.response()  # a's held poll, woken by the break (and its line deferred meanwhile)
+        assert status == 200 and woken["broken"] or woken["generation"] > view["generation"]
+        a.send(_request("POST", "/v1/heartbeat", {"member": "a", "seen": {}, "hold": 0.0}, token="s3cret"))
+        assert a.response()[0] == 200  # served again once the wake-up was over
     finally:
         a.close()
         b.close()
@@ -163,3 +169,48 @@ def test_a_candidate_that_does_not_lead_answers_503_on_the_lean_line(coordinator
         assert status == 503 and body["leader"] == "127.0.0.1:2" and "does not lead" in body["error"]
     finally:
         line.close()
+
+
+def test_a_line_answered_by_a_wake_up_is_served_again_only_once_every_poll_of_it_is_answered():
+    """The next heartbeat of a member answered early in a wake-up would only be held: serving it
+    between slices made the last survivors wait behind thousands of them."""
+    import asyncio
+
+    coordinator = Coordinator(CoordinatorSettings(wake_slice=0.0), MembershipSettings(expected_members=2))
+    served: list[tuple[int, int]] = []  # (line, polls still to wake when it was served again)
+
+    class Line:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def defer_serving(self) -> None:
+            pass
+
+        def serve_again(self) -> None:
+            served.append((self.index, len(coordinator._to_wake)))
+
+    class Poll:  # a held poll: answered when woken, its line deferred as LineRequests does
+        def __init__(self, index: int) -> None:
+            self.line, self.over = Line(index), False
+
+        def done(self) -> bool:
+            return self.over
+
+        def set_result(self, _) -> None:
+            self.over = True
+            coordinator._defer_serving(self.line)
+
+    async def run():
+        polls = [Poll(i) for i in range(300)]
+        coordinator._to_wake.extend(polls)
+        coordinator._schedule_wakes()
+        turns = 0
+        while len(served) < 300 and turns < 100:
+            await asyncio.sleep(0)
+            turns += 1
+        return polls, turns
+
+    polls, turns = asyncio.run(run())
+    assert all(p.over for p in polls) and turns >= 5  # a chunk of 64 a turn: several turns
+    assert [i for i, _ in served] == list(range(300))  # oldest first, each once
+    assert all(left == 0 for _, left in served)  # none before the last poll was answered
