@@ -252,7 +252,7 @@ async def serve_slice() -> None:
     # the simulator's own collections (Python's default thresholds, 4,096 members' coroutines and
     # futures) stalled a whole slice for tens of ms and showed as the coordinator's lateness
     # (heartbeat p99 80-157 ms with them, 28-111 ms without, in one hour): collected as the
-    # coordinator's process is (unbroken.coordinator.server.collect_less_often)
+    # coordinator's process is (unbroken.coordinator.garbage.collect_less_often)
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)

@@ -59,6 +59,7 @@ from unbroken.coordinator.settings import CoordinatorSettings  # noqa: F401  (th
 from unbroken.errors import ConfigError
 from unbroken.coordinator.leading import Leading
 from unbroken.coordinator.line_requests import LineRequests
+from unbroken.coordinator import garbage
 from unbroken.coordinator.line_server import LineConnection
 from unbroken.coordinator.long_polls import LongPolls
 from unbroken.coordinator.membership import Membership, MembershipSettings
@@ -71,26 +72,7 @@ log = logging.getLogger(__name__)
 
 LARGE_JOB = 256
 """From this many expected (or allowed) members on, an embedded coordinator also makes its process
-:func:`collect_less_often`; a standalone one always does."""
-
-GC_THRESHOLDS = (50_000, 20, 100)
-"""Python's garbage collection thresholds for a coordinator's process (Python's are 700, 10, 10)."""
-
-
-def collect_less_often() -> None:
-    """Make this process's garbage collections rarer, and freeze what is alive now out of them.
-
-    A coordinator of thousands of members holds some 150 objects per member (connections,
-    requests, futures): with Python's thresholds, a full collection of 600,000 objects every few
-    seconds held its event loop for 0.2-0.7 s on a loaded machine, every member's lease ticking
-    meanwhile. With these, bench_coordinator at 4,000 members: CPU per heartbeat 128 µs (was 230-250),
-    a kill re-formed in 2.0 s (was 7.4-9), worst stall 0.49 s (was 2.3). Reference cycles are
-    still collected, only in larger batches."""
-    import gc
-
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-
+:func:`~unbroken.coordinator.garbage.collect_less_often`; a standalone one always does."""
 
 class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
     """Serves the membership API and hosts the TCPStore. Start with :meth:`start_in_thread`
@@ -125,6 +107,8 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         self._to_wake: collections.deque[asyncio.Future] = collections.deque()
         """Polls to wake, ``wake_slice`` seconds of them per turn of the event loop."""
         self._waking = False
+        self._heap_frozen = False
+        """Whether the first large generation's objects were frozen (:func:`freeze_what_lives`)."""
         self._deferred_lines: collections.deque[Any] = collections.deque()
         """Lean lines not served until the current wake-up ends (:meth:`_defer_serving`)."""
         self._shared: tuple[Any, ...] | None = None
@@ -238,7 +222,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         """Start the store and the HTTP server on a daemon thread; returns once listening."""
         raise_limit(2 * self._expected_members(), f"a coordinator of {self._expected_members()} members")
         if self._expected_members() >= LARGE_JOB:
-            collect_less_often()
+            garbage.collect_less_often()
         self._start_store()
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -284,7 +268,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
 
     def serve_forever(self) -> None:
         """Run in the calling thread until :meth:`stop` (or Ctrl-C)."""
-        collect_less_often()  # a process of its own: nothing else in it minds
+        garbage.collect_less_often()  # a process of its own: nothing else in it minds
         raise_limit(2 * self._expected_members(), f"a coordinator of {self._expected_members()} members")
         self._start_store()
 
@@ -318,6 +302,9 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         generation, decision = self.state.maybe_form(time.monotonic())
         self._record_outcome_once()
         if generation is not None:
+            if len(generation.members) >= LARGE_JOB and not self._heap_frozen:
+                garbage.freeze_what_lives()
+                self._heap_frozen = True
             if self.leadership is not None:
                 asyncio.get_running_loop().create_task(self._make_durable(generation))
             if broken_at is not None:
