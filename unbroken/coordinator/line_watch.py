@@ -1,14 +1,17 @@
 """Watching each member's line, for :class:`~unbroken.coordinator.server.Coordinator`: the one
 connection a worker's heartbeats and joins share (:mod:`unbroken.coordinator.member_line`). A member
 whose line closes is dead at once: the kernel closed a dead process's sockets. While a poll holds the
-line, aiohttp cancels its handler when it closes; between polls the line is looked at every
-``check_interval`` (idle ones) and every ``connection_sweep`` (all). A mixin: the connections and the
+line, aiohttp cancels its handler when it closes (the lean line tells at once, held or not);
+between polls the line is looked at every ``check_interval`` (idle ones), and every line once per
+``connection_sweep``, a share of them each ``check_interval``. A mixin: the connections and the
 state it reads are the coordinator's (set up in its ``__init__``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -37,6 +40,8 @@ class LineWatch:
     _stopped: threading.Event
     _heartbeat_connections: dict[str, Any]
     _idle_connections: dict[str, Any]
+    _sweep_queue: collections.deque[str]
+    _sweep_share: int
     _bump: Callable[[], None]
 
     def _watch_line(self, member_id: str, transport: Any) -> None:
@@ -76,6 +81,20 @@ class LineWatch:
                     self._heartbeat_connections.pop(member_id, None)
             elif transport.is_closing():
                 self._connection_closed(member_id)
+
+    def _sweep_connections(self, share: float) -> None:
+        """The backstop sweep, spread out: each call looks at a ``share`` of the members' lines,
+        so that a round over all of them takes ``connection_sweep`` and no turn of the loop pays
+        for all (16,384 lines at once held it 22-28 ms every 2 s). A round starts by forgetting the
+        lines of forgotten members."""
+        queue = self._sweep_queue
+        if not queue:
+            for member_id in [m for m in self._heartbeat_connections if m not in self.state.members]:
+                del self._heartbeat_connections[member_id]
+                self._idle_connections.pop(member_id, None)
+            queue.extend(self._heartbeat_connections)
+            self._sweep_share = max(1, math.ceil(len(queue) * share))
+        self._check_connections([queue.popleft() for _ in range(min(self._sweep_share, len(queue)))])
 
     def _check_generation_connections(self) -> None:
         """The current generation's connections: after a failure report, one of them may be a

@@ -98,6 +98,9 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         self._heartbeat_connections: dict[str, Any] = {}
         """Each member's newest heartbeat connection (its transport), checked for closing."""
         self._idle_connections: dict[str, Any] = {}
+        self._sweep_queue: collections.deque[str] = collections.deque()
+        """Members whose lines the current round of the backstop sweep has yet to look at."""
+        self._sweep_share = 1
         """The heartbeat connections that no held poll watches right now (between a reply and the
         member's next heartbeat): a closing one is noticed only by looking, so they are looked at
         every ``check_interval``; a held poll learns of its closing from aiohttp's cancellation."""
@@ -331,7 +334,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         self.events.emit("state_lost", generation=generation.number, step=loss.step, lost=loss.lost, reason=loss.reason)
 
     async def _watch_deadlines(self) -> None:
-        swept = previous = time.monotonic()
+        previous = time.monotonic()
         excused_until = 0.0
         while True:
             await asyncio.sleep(self.settings.check_interval)
@@ -348,11 +351,8 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
                 excused_until = now + stalled
                 log.warning("the coordinator did not run for %.2f s: verdicts for silence wait %.2f s", stalled, stalled)
                 self.events.emit("coordinator_stall", seconds=round(stalled, 3))
-            if now - swept >= self.settings.connection_sweep:
-                swept = now
-                self._check_connections()
-            else:
-                self._check_connections(list(self._idle_connections))
+            self._sweep_connections(self.settings.check_interval / self.settings.connection_sweep)
+            self._check_connections(list(self._idle_connections))
             now = time.monotonic()
             if now < excused_until:
                 continue

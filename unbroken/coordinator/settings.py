@@ -33,9 +33,9 @@ class CoordinatorSettings:
     (their next heartbeat would only be held). Below ``stall_excuse``, so that a slice is never
     taken for the coordinator's own stall."""
     connection_sweep: float = 2.0
-    """How often every member's heartbeat connection is checked for closing, as a backstop (O(N)):
-    the ones between polls are checked every ``check_interval``, and the current generation's
-    20 ms after a failure report."""
+    """How often every member's heartbeat connection is checked for closing, as a backstop (O(N)
+    per round, a share of it every ``check_interval``): the ones between polls are checked every
+    ``check_interval``, and the current generation's 20 ms after a failure report."""
     token: str | None = None
     """Shared secret every request must carry (``Authorization: Bearer TOKEN``); None: none."""
     rejoin_grace: float = 0.5

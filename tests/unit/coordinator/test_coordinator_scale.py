@@ -359,3 +359,26 @@ def test_the_first_generation_of_a_large_job_freezes_what_lives_out_of_collectio
     assert frozen == []
     form(server.LARGE_JOB)
     assert frozen == [True]
+
+
+def test_the_backstop_sweep_looks_at_every_line_once_a_round_a_share_at_a_time():
+    coordinator = _coordinator(expected_members=100)
+    now = time.monotonic()
+    looked: list[list[str]] = []
+
+    class Line:
+        def is_closing(self) -> bool:
+            return False
+
+    for i in range(100):
+        coordinator.state.join(f"m{i}", "n", None, 0, now)
+        coordinator._heartbeat_connections[f"m{i}"] = Line()
+    coordinator._heartbeat_connections["gone"] = Line()  # a forgotten member's: dropped at a round's start
+    coordinator._check_connections = lambda members=None: looked.append(list(members))
+    for _ in range(20):
+        coordinator._sweep_connections(0.05)
+    assert all(len(part) == 5 for part in looked)  # a twentieth each time, never all at once
+    assert sorted(m for part in looked for m in part) == sorted(f"m{i}" for i in range(100))
+    assert "gone" not in coordinator._heartbeat_connections
+    coordinator._sweep_connections(0.05)  # the next round starts over
+    assert len(looked) == 21 and len(looked[-1]) == 5
