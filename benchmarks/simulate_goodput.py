@@ -123,9 +123,9 @@ class Inputs:
     unbroken_hang_s: float = _in(3.0, "s", "measured here", "the default heartbeat timeout: a hang stalled 1.83 s "
                                  "at `--heartbeat-timeout 2` (`python benchmarks/bench_failures.py`)")
     unbroken_reform_s: tuple = _in(
-        ((128, 0.02), (256, 0.02), (1000, 0.12), (4096, 0.66), (8192, 1.82), (16384, 4.66)), "(members, s)", "measured here",
-        "a member killed -> every survivor re-formed, heartbeat interval 2 s, 2 shared cores (`python "
-        "benchmarks/bench_coordinator.py --members 128 256`, then `--members 1000 4096 8192 16384`; "
+        ((128, 0.006), (256, 0.009), (1000, 0.033), (4096, 0.143), (8192, 0.241), (16384, 0.367)), "(members, s)",
+        "measured here", "a member killed -> every survivor re-formed, heartbeat interval 2 s, 2 shared cores (`python "
+        "benchmarks/bench_coordinator.py --members 128 256 1000 4096 8192 16384`; "
         "docs/guide/scale.md); linear between, extrapolated beyond 16,384; a replica group is one member")
     unbroken_rejoin_s: float = _in(3.92, "s", "measured here", f"restarted process -> its first commit ({COMPARE})")
     unbroken_catch_up_stall_s: float = _in(CATCH_UP_STALL, "s", "measured here", "what a rejoin costs the survivors beyond "
