@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from testbed.harness import wait_for
 from unbroken.coordinator.membership import MembershipSettings, MemberState
 from unbroken.coordinator.server import Coordinator, CoordinatorSettings
 
@@ -70,14 +71,6 @@ def _join(line: _Line, member: str) -> tuple[int, dict]:
     return line.response()
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def test_the_lean_line_answers_as_aiohttp_would_a_wrong_token_bad_json_and_a_body_without_a_member(coordinator):
     line = _Line(coordinator.port)
     try:
@@ -124,7 +117,7 @@ def test_a_held_heartbeat_answers_at_the_end_of_its_hold_or_at_once_with_news(co
     a, b = _Line(coordinator.port), _Line(coordinator.port)
     try:
         a.send(_request("POST", "/v1/join", {"member": "a", "node": "n", "pid": 1, "step": 0, "lean": True}, token="s3cret"))
-        _wait(lambda: "a" in coordinator.state.members, 5, "a's join")
+        wait_for(lambda: "a" in coordinator.state.members, 5, "a's join")
         status, formed_b = _join(b, "b")
         status_a, formed_a = a.response()
         assert status == status_a == 200 and formed_a["status"] == formed_b["status"] == "formed"
@@ -142,9 +135,9 @@ def test_a_held_heartbeat_answers_at_the_end_of_its_hold_or_at_once_with_news(co
         b.send(_request("POST", "/v1/heartbeat", {"member": "b", "seen": view_b, "hold": 30.0}, token="s3cret"))
         a.send(_request("POST", "/v1/heartbeat", {"member": "a", "seen": view, "hold": 30.0}, token="s3cret"))
         held = lambda m: any(p.member_id == m for group in coordinator._waiters.values() for p in group)  # noqa: E731
-        _wait(lambda: held("a") and held("b"), 5, "a's and b's held polls")
+        wait_for(lambda: held("a") and held("b"), 5, "a's and b's held polls")
         b.close()
-        _wait(lambda: coordinator.state.members["b"].state is MemberState.DEAD, 5, "b declared dead")
+        wait_for(lambda: coordinator.state.members["b"].state is MemberState.DEAD, 5, "b declared dead")
         assert coordinator.state.members["b"].death_reason and "connection" in coordinator.state.members["b"].death_reason
         status, woken = a.response()  # a's held poll, woken by the break (and its line deferred meanwhile)
         assert status == 200 and woken["broken"] or woken["generation"] > view["generation"]
