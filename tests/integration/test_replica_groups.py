@@ -80,9 +80,15 @@ def test_a_killed_process_stops_its_group_which_is_restarted_and_healed_shard_by
     slot = _check_group_replaced(run, 1, 3)
     assert slot["exits"][0]["how"] == "process 1 of 2: killed by SIGKILL", slot["exits"]
     fault = run.events("fault")[0]
-    # the other two groups commit again without it: one re-formation, about as fast as for a plain kill
-    after = [e for e in run.events("step") if e["t"] > fault["t"] and e["members"] == 2]
-    assert after, "the surviving groups never committed a step on their own"
+    # the other two groups commit again at once: one re-formation, about as fast as for a plain
+    # kill. Its launcher restarts the group in about 0.1 s, so it may be back in that generation
+    # already (the survivors reach the step boundary 0.3 s after the kill): either way, every
+    # survivor is in the first generation after the kill, and the next commit follows it.
+    survivors = set(run.events("generation")[0]["members"]) - {fault["member"]}
+    formed = [e for e in run.events("generation") if e["t"] > fault["t"]]
+    assert formed and survivors <= set(formed[0]["members"]), formed
+    after = [e for e in run.events("step") if e["t"] > fault["t"]]
+    assert after and after[0]["generation"] == formed[0]["generation"], after[:1]
     stall = after[0]["t"] - fault["t"]
     before = [e["t"] for e in run.events("step") if e["t"] < fault["t"]]
     healthy = sorted(b - a for a, b in zip(before[1:], before[2:]))  # commit to commit, after the first step
