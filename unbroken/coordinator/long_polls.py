@@ -78,16 +78,7 @@ class LongPolls:
         long as all their handlers take, and a request that arrives meanwhile would wait for all of
         them. A slice of time, not a count: what a poll's wake-up costs varies tenfold (a lean
         line's poll answers in place; aiohttp's handler runs as a task, its answer on a later turn)."""
-        to_wake = self._to_wake
-        end = time.monotonic() + self.settings.wake_slice
-        while to_wake:
-            for _ in range(min(64, len(to_wake))):
-                waiter = to_wake.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-            if time.monotonic() >= end:
-                break
-        if to_wake:
+        if self._for_a_slice(self._to_wake, _resolve):
             asyncio.get_running_loop().call_soon(self._wake_some)
         else:
             self._waking = False
@@ -106,15 +97,19 @@ class LongPolls:
 
     def _serve_deferred(self) -> None:
         """Serve the deferred lines again, oldest first, ``wake_slice`` seconds of them a turn."""
-        lines = self._deferred_lines
+        if self._for_a_slice(self._deferred_lines, _serve_again):
+            asyncio.get_running_loop().call_soon(self._serve_deferred)
+
+    def _for_a_slice(self, queue: collections.deque[Any], act: Callable[[Any], None]) -> bool:
+        """``act`` on the items of ``queue``, oldest first, for ``wake_slice`` seconds (at least a
+        chunk of 64, the clock read once a chunk); True if some are left for the next turn."""
         end = time.monotonic() + self.settings.wake_slice
-        while lines:
-            for _ in range(min(64, len(lines))):
-                lines.popleft().serve_again()
+        while queue:
+            for _ in range(min(64, len(queue))):
+                act(queue.popleft())
             if time.monotonic() >= end:
                 break
-        if lines:
-            asyncio.get_running_loop().call_soon(self._serve_deferred)
+        return bool(queue)
 
     def _resume_collection(self) -> None:
         """Let the garbage collector run again if a wake-up paused it (at its end, or a stop)."""
@@ -138,6 +133,11 @@ class LongPolls:
                 del self._waiters[member_id]
 
 
-def _resolve(waiter: asyncio.Future) -> None:
+def _serve_again(line: Any) -> None:
+    line.serve_again()
+
+
+def _resolve(waiter: Any) -> None:
+    """Answer a waiting poll (a future, or a lean line's held poll), unless it already was."""
     if not waiter.done():
         waiter.set_result(None)

@@ -74,6 +74,7 @@ LARGE_JOB = 256
 """From this many expected (or allowed) members on, an embedded coordinator also makes its process
 :func:`~unbroken.coordinator.garbage.collect_less_often`; a standalone one always does."""
 
+
 class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
     """Serves the membership API and hosts the TCPStore. Start with :meth:`start_in_thread`
     (embedded) or :meth:`serve_forever` (standalone)."""
@@ -98,12 +99,13 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         self._heartbeat_connections: dict[str, Any] = {}
         """Each member's newest heartbeat connection (its transport), checked for closing."""
         self._idle_connections: dict[str, Any] = {}
-        self._sweep_queue: collections.deque[str] = collections.deque()
-        """Members whose lines the current round of the backstop sweep has yet to look at."""
-        self._sweep_share = 1
         """The heartbeat connections that no held poll watches right now (between a reply and the
         member's next heartbeat): a closing one is noticed only by looking, so they are looked at
         every ``check_interval``; a held poll learns of its closing from aiohttp's cancellation."""
+        self._sweep_queue: collections.deque[str] = collections.deque()
+        """Members whose lines the current round of the backstop sweep has yet to look at."""
+        self._sweep_share = 1
+        """How many of them each ``check_interval`` looks at, in this round."""
         self._waiters: dict[str, set[asyncio.Future]] = {}
         """Long polls waiting for a change, by member: a change of one member's view wakes only
         its own; a change of the view shared by all wakes all of them, once."""
@@ -111,7 +113,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
         """Polls to wake, ``wake_slice`` seconds of them per turn of the event loop."""
         self._waking = False
         self._heap_frozen = False
-        """Whether the first large generation's objects were frozen (:func:`freeze_what_lives`)."""
+        """Whether the first large generation's objects were frozen (:func:`~unbroken.coordinator.garbage.freeze_what_lives`)."""
         self._deferred_lines: collections.deque[Any] = collections.deque()
         """Lean lines not served until the current wake-up ends (:meth:`_defer_serving`)."""
         self._shared: tuple[Any, ...] | None = None
