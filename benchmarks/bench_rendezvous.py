@@ -214,7 +214,8 @@ class Simulators:
             "store_ops": ops,
             "ops_per_member": round(ops / n, 2),
             "bytes": sum(p["bytes"] for p in parts),
-            "seconds": round(max(p["end"] for p in parts) - start, 3),
+            # Not rounded: a small run can take under a millisecond, and the rate divides by it.
+            "seconds": max(p["end"] for p in parts) - start,
             "extrapolated": False,
         }
 
@@ -228,7 +229,7 @@ class Simulators:
 def extrapolate(measured: dict, n: int) -> dict:
     pattern = measured["pattern"]
     ops = ops_per_generation(pattern, n)
-    rate = measured["store_ops"] / measured["seconds"]
+    rate = measured["store_ops"] / max(measured["seconds"], 1e-6)
     m = measured["members"]
     return {
         "pattern": pattern,

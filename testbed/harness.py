@@ -276,7 +276,7 @@ def check_exactly_once(run_dir: str | list[str], steps: int, global_batch_size: 
     # an attempt beyond the lineage: a step begun and never committed (the job stopped early)
     redone = sum(1 for (g, s) in attempts if s >= len(lineage) or lineage[s] != g)
     check_commits(dirs)
-    return {"generations": sorted(set(lineage)), "redone_attempts": redone}
+    return {"generations": sorted(set(lineage)), "redone_attempts": redone, "lineage": lineage}
 
 
 def check_commits(run_dir: str | list[str], every_holder_lost: bool = False) -> dict[str, Any]:

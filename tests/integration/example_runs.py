@@ -33,3 +33,12 @@ def two_workers(run_dir: str, script: str, *flags: str, script_args: tuple[str, 
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
     return run, torch.load(out, weights_only=True)
+
+
+def check_one_worker_killed(run: harness.Run, killed: int = 1) -> None:
+    """The kill happened to local rank ``killed`` and nobody else failed. The survivor may finish
+    a short job before the launcher restarts the killed worker (then it is not restarted: the job
+    is done), so its restarts are 0 or 1."""
+    workers = {w["local_rank"]: w for w in run.summary()["workers"]}
+    assert "killed by SIGKILL" in workers[killed]["exits"][0]["how"] and workers[killed]["restarts"] <= 1, workers
+    assert all(w["restarts"] == 0 and w["state"] == "succeeded" for rank, w in workers.items() if rank != killed), workers

@@ -90,7 +90,14 @@ def test_a_killed_worker_is_restarted_and_healed_while_the_others_keep_running(t
 def test_every_sample_is_applied_exactly_once_whatever_the_kill_point(tmp_path, reference, chaos, delay, rejoin):
     run = run_with_faults(tmp_path, chaos, delay=delay, env={"UNBROKEN_REJOIN": rejoin})
     stats = harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
-    assert stats["redone_attempts"] >= 1 or "commit" in chaos
+    if "allreduce" in chaos:
+        # the step the kill interrupted is redone by the survivors; or, rarely (a loaded machine),
+        # Gloo's threads finished the allreduce the victim had sent before the kill landed, and the
+        # step committed with its share, as after a kill at commit: the first generation's
+        lineage = stats["lineage"]
+        assert stats["redone_attempts"] >= 1 or lineage[5] == lineage[0] != lineage[6], stats
+    elif "commit" not in chaos:
+        assert stats["redone_attempts"] >= 1, stats
     kills = sum(1 for w in run.summary()["workers"] for e in w["exits"] if e["how"] == "killed by SIGKILL")
     assert kills == chaos.count("kill@")
     check_same_model_and_replicas(run, reference)
