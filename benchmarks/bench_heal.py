@@ -1,6 +1,6 @@
 """Healing transfer cost: a model of about 100M float32 parameters with AdamW state (~1.2 GB).
 
-    python benchmarks/bench_heal.py [--params 100_000_000] [--trials 3]
+    python benchmarks/bench_heal.py [--params 100_000_000] [--trials 3] [--lanes 2]
 
 Two processes on this machine, one Gloo group over 127.0.0.1, one thread each. Measures:
 (a) ``send_state``/``recv_state`` of the full training state {model, optimizer, rng}, from the
@@ -8,7 +8,8 @@ start of the send to the state complete on the receiver, into new memory; (a') t
 newcomer as unbroken heals one: its own model built, its optimizer state and tensors like its
 parameters warmed before it joined (:mod:`unbroken.worker.warm_state`), so that the state lands
 in warm memory, timed until it is loaded into the newcomer's model and optimizer (the received
-parameters become the model's memory); (b) a plain Gloo broadcast of the same
+parameters become the model's memory), its large tensors over ``--lanes`` connections
+(:mod:`unbroken.worker.heal_lanes`); (a'') the same over one connection; (b) a plain Gloo broadcast of the same
 number of bytes as one uint8 tensor (the link limit), into a buffer the receiver already uses
 and into one it allocates for the purpose, as ``recv_state`` must; (c) a memory copy of those
 bytes in one process, the same two ways; (d) for reference, the former way: ``torch.save`` of the
@@ -73,7 +74,7 @@ def build(params: int):
 
 
 
-def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
+def worker(rank: int, port: int, params: int, trials: int, out: str, lanes: int) -> None:
     exit_with_parent()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
@@ -109,7 +110,7 @@ def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
         barrier()
         t = time.perf_counter()
         if rank == 0:
-            row["heal_bytes"] = healing.send_state(group, state, 1)
+            row["heal_bytes"] = healing.send_state(group, state, 1, lanes=lanes)
         else:
             received, row["heal_bytes"] = healing.recv_state(group, 0)
         row["heal_s"] = time.perf_counter() - t
@@ -119,27 +120,29 @@ def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
         # parameters before joining (its own model built, as a started process has it): the state
         # lands in warm memory, and the time runs until it is loaded into the newcomer's model and
         # optimizer (the received parameters become the model's memory: no copy)
-        warm = None
-        if rank == 1:
-            newcomer, newcomer_optimizer, _ = build_fresh(params)
-            warm = {**warm_optimizer(newcomer_optimizer), **warm_model(newcomer)}
-        barrier()
-        t = time.perf_counter()
-        if rank == 0:
-            healing.send_state(group, state, 1)
-        else:
-            received, _ = healing.recv_state(group, 0, into=warm)
-            adopt_parameters(newcomer, received["model"])
-            newcomer.load_state_dict(received["model"])
-            newcomer_optimizer.load_state_dict(received["optimizer"])
-        row["heal_warm_s"] = time.perf_counter() - t
-        if rank == 1:
-            del received, warm, newcomer, newcomer_optimizer
-            # the newcomer's replaced parameter memory is freed on a thread of its own, off the
-            # heal's path: let it finish before the next measurement shares the cores with it
-            for thread in threading.enumerate():
-                if thread.name == RELEASE_THREAD:
-                    thread.join()
+        # lanes: the state's large tensors over that many connections (1: over the group alone)
+        for key, count in (("heal_warm_s", lanes), ("heal_warm_one_s", 1)):
+            warm = None
+            if rank == 1:
+                newcomer, newcomer_optimizer, _ = build_fresh(params)
+                warm = {**warm_optimizer(newcomer_optimizer), **warm_model(newcomer)}
+            barrier()
+            t = time.perf_counter()
+            if rank == 0:
+                healing.send_state(group, state, 1, lanes=count)
+            else:
+                received, _ = healing.recv_state(group, 0, into=warm)
+                adopt_parameters(newcomer, received["model"])
+                newcomer.load_state_dict(received["model"])
+                newcomer_optimizer.load_state_dict(received["optimizer"])
+            row[key] = time.perf_counter() - t
+            if rank == 1:
+                del received, warm, newcomer, newcomer_optimizer
+                # the newcomer's replaced parameter memory is freed on a thread of its own, off
+                # the heal's path: let it finish before the next measurement shares the cores
+                for thread in threading.enumerate():
+                    if thread.name == RELEASE_THREAD:
+                        thread.join()
         # (b) broadcast into a buffer in use
         barrier()
         t = time.perf_counter()
@@ -187,11 +190,11 @@ def worker(rank: int, port: int, params: int, trials: int, out: str) -> None:
     os._exit(0)  # a Gloo group alive at exit can abort the interpreter
 
 
-def run(params: int, trials: int) -> tuple[dict, dict]:
+def run(params: int, trials: int, lanes: int) -> tuple[dict, dict]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     with tempfile.TemporaryDirectory() as where:
         outs = [os.path.join(where, f"rank{rank}.json") for rank in (0, 1)]
-        codes = run_spawned(worker, [(rank, store.port, params, trials, outs[rank]) for rank in (0, 1)])
+        codes = run_spawned(worker, [(rank, store.port, params, trials, outs[rank], lanes) for rank in (0, 1)])
         missing = [rank for rank in (0, 1) if not os.path.exists(outs[rank])]
         if missing:
             raise SystemExit(f"rank(s) {missing} reported nothing (exit codes {codes})")
@@ -203,10 +206,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--lanes", type=int, default=2, help="connections of the heal (RuntimeSettings.heal_lanes); a heal over one is measured too")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "heal.json"))
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    sender, receiver = run(args.params, args.trials)
+    sender, receiver = run(args.params, args.trials, args.lanes)
     load_after = os.getloadavg()[0]
     size = sender["state_bytes"]
     rows = []
@@ -216,6 +220,7 @@ def main() -> int:
             "heal_s": max(s["heal_s"], r["heal_s"]),
             "heal_send_s": s["heal_s"],
             "heal_warm_s": max(s["heal_warm_s"], r["heal_warm_s"]),
+            "heal_warm_one_s": max(s["heal_warm_one_s"], r["heal_warm_one_s"]),
             "bcast_warm_s": max(s["bcast_warm_s"], r["bcast_warm_s"]),
             "bcast_fresh_s": max(s["bcast_fresh_s"], r["bcast_fresh_s"]),
             "memcpy_warm_s": s["memcpy_warm_s"],
@@ -234,7 +239,8 @@ def main() -> int:
         "state_bytes": size, "heal_bytes": sender["trials"][0]["heal_bytes"], "trials": rows,
         "median": med, "min": low, "max": high, "heal_over_broadcast": med["heal_s"] / link,
         "heal_over_fresh_broadcast": med["heal_s"] / med["bcast_fresh_s"],
-        "warm_heal_over_broadcast": med["heal_warm_s"] / link,
+        "warm_heal_over_broadcast": med["heal_warm_s"] / link, "lanes": args.lanes,
+        "warm_heal_one_lane_over_broadcast": med["heal_warm_one_s"] / link,
         "load_average": [load_before, load_after], "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
     }
     print(f"\nTwo processes, Gloo over 127.0.0.1, one thread each; {sender['params'] / 1e6:.0f}M float32 parameters with AdamW"
@@ -248,7 +254,8 @@ def main() -> int:
         print(f"| {label} | {med[key]:.3f} ({low[key]:.3f}–{high[key]:.3f}) | {gb / med[key]:.2f} | {med[key] / link:.2f} |")
 
     line("(a) `send_state` → `recv_state`, full state, into new memory", "heal_s")
-    line("(a') the same into a newcomer whose state was warmed before it joined, loaded (unbroken's path)", "heal_warm_s")
+    line(f"(a') the same into a newcomer whose state was warmed before it joined, loaded (unbroken's path), {args.lanes} lanes", "heal_warm_s")
+    line("(a'') the same over one connection (`heal_lanes=1`)", "heal_warm_one_s")
     line("(b) Gloo broadcast, same bytes, into a buffer the receiver already uses (link limit)", "bcast_warm_s")
     line("(b') Gloo broadcast, same bytes, into a buffer the receiver allocates", "bcast_fresh_s")
     line("(c) memory copy, one process, into a buffer in use", "memcpy_warm_s")
@@ -257,7 +264,7 @@ def main() -> int:
     line("    of which `torch.save`", "former_save_s")
     line("    of which `torch.load`", "former_load_s")
     print(f"\n(a) is {result['heal_over_broadcast']:.2f}x (b) and {result['heal_over_fresh_broadcast']:.2f}x (b');"
-          f" (a') is {result['warm_heal_over_broadcast']:.2f}x (b).")
+          f" (a') is {result['warm_heal_over_broadcast']:.2f}x (b), (a'') {result['warm_heal_one_lane_over_broadcast']:.2f}x (b).")
     save_results(args.out, result)
     return 0
 

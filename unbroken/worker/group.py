@@ -83,8 +83,13 @@ class GenerationGroup:
         self._blocked = blocked
         self._waits = 0
         self.store: Any = None
+        self.store_host = ""
         self.works: list[Any] = []
         """Collectives issued on this group that may still be pending (completed ones are pruned)."""
+        self.side_groups: list[tuple[Any, Any]] = []
+        """(purpose, group) of groups made within this generation for one purpose (a heal's
+        lanes): they live as long as this one, so that they are released with it, once nothing
+        can be pending on them."""
 
     # -- construction --------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class GenerationGroup:
         """Build the group on a helper thread, watched like a wait: a Gloo group (lazily
         connecting, then its ring neighbours connected; or a full mesh, see :data:`LAZY_CONNECT`),
         or an NCCL group (whose communicator is made by its first collective, also watched)."""
+        self.store_host = store_host
         result: list[Any] = []
         if self.backend == "nccl":
             prepare_environment(self.timeout)  # read by torch when the group is made (the Job set it already)
@@ -237,6 +243,28 @@ class GenerationGroup:
         self.works = [w for w in self.works if not _completed(w)]
         self.works.append(work)
         return work
+
+    track = _issued
+    """Count a work issued on one of :attr:`side_groups` as this group's (returns it)."""
+
+    def run_watched(self, call: Callable[[], Any], what: str) -> Any:
+        """``call()`` (a blocking call such as making a group) on a helper thread, watched like a
+        wait; returns its result. Raises :class:`GenerationFailed` if it raises, or if the
+        generation is abandoned or times out first (the thread is then left to end by itself)."""
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                result.append(call())
+            except BaseException as exc:  # noqa: BLE001 - reported to the waiting thread
+                result.append(exc)
+            self._wake.set()
+
+        threading.Thread(target=run, name=f"unbroken-g{self.number}-{what}", daemon=True).start()
+        self._watch(lambda: bool(result), what)
+        if isinstance(result[0], BaseException):
+            raise GenerationFailed(f"generation {self.number}: {what} failed: {result[0]}") from None
+        return result[0]
 
     def idle(self) -> bool:
         """True when no collective issued on this group can still be pending."""

@@ -97,7 +97,8 @@ class Healer:
                 elif sender == group.rank:
                     # A receiver sends what it loaded: its state now equals the source's bit for bit.
                     state = job._state()
-                    sent += healing.send_state(group, state, receiver, lambda: job._chaos.point("heal", job.next_step), job._tick)
+                    sent += healing.send_state(group, state, receiver, lambda: job._chaos.point("heal", job.next_step), job._tick,
+                                               lanes=job.settings.heal_lanes)
                     del state
                     receivers.append(receiver)
         if receivers:

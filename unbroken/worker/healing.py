@@ -15,12 +15,13 @@ all from the source to one receiver, in this order:
 1. header (tag ``TAG_HEADER``): int64[4] = ``MAGIC``, ``STATE_VERSION``, manifest bytes, tensor
    bytes. Its layout never changes, so that a receiver can tell a sender of another version.
 2. manifest (tag ``TAG_MANIFEST``): uint8[manifest bytes], a pickle of the skeleton, each
-   tensor's dtype and shape, and the list of tensor messages that follow.
+   tensor's dtype and shape, the list of tensor messages that follow and the number of lanes.
 3. tensor messages, in the manifest's order: a slice of at most ``MESSAGE_BYTES`` of one large
    tensor (``LARGE_BYTES`` or more; tag ``TAG_TENSOR``), sent from the tensor's own CPU memory
    without a copy when it is contiguous; or a pack (tag ``TAG_PACK``): small tensors of one dtype
    concatenated into one flat buffer of at most ``PACK_BYTES``, so that thousands of tiny
-   tensors do not pay a message each. Empty tensors send nothing.
+   tensors do not pay a message each. Empty tensors send nothing. With lanes (Gloo), the slices
+   go over parallel connections made for the heal (:mod:`unbroken.worker.heal_lanes`).
 
 The manifest is a pickle, read by a restricted unpickler
 (:class:`~unbroken.storage.safe_unpickle.SafeUnpickler`): only plain containers, numbers, strings, torch
@@ -46,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from unbroken.errors import ConfigError
+from unbroken.worker import heal_lanes
 from unbroken.worker.group import GenerationGroup
 from unbroken.worker.heal_plan import HealPlan, plan, rounds  # noqa: F401 - offered here as before
 from unbroken.worker.rng_state import rng_state, set_rng_state  # noqa: F401 - offered here as before
@@ -53,7 +55,7 @@ from unbroken.worker.state_digests import extend_digest, lineage_digest, state_d
 from unbroken.worker.prefault import Prefault as _Prefault
 from unbroken.storage.safe_unpickle import SafeUnpickler, safe_loads
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 """Version of the healing wire format; a receiver refuses a state of another version."""
 MAGIC = 0x756E62726B6E6865  # "unbrknhe": the first int64 of every header
 LARGE_BYTES = 1 << 20
@@ -238,8 +240,10 @@ def send_state(
     dst: int,
     on_started: Callable[[], None] = lambda: None,
     progress: Callable[[], None] = lambda: None,
+    lanes: int = heal_lanes.DEFAULT_LANES,
 ) -> int:
-    """Send ``state`` to rank ``dst`` of ``group``; returns the bytes sent.
+    """Send ``state`` to rank ``dst`` of ``group``; returns the bytes sent; ``lanes``: connections
+    for the large tensors where ``group`` is a Gloo group (the receiver follows).
 
     ``on_started`` is called once, after the first messages (header and manifest) and before
     any tensor (a fault-injection point); ``progress`` after every message sent. Large tensors
@@ -248,13 +252,15 @@ def send_state(
     """
     skeleton, tensors = split(state)
     plan_ = messages(skeleton.specs)
-    manifest = pickle.dumps((skeleton, plan_), protocol=pickle.HIGHEST_PROTOCOL)
+    lane_count = heal_lanes.lanes_for(group, lanes)
+    manifest = pickle.dumps((skeleton, plan_, lane_count), protocol=pickle.HIGHEST_PROTOCOL)
     payload = sum(spec.nbytes for spec in skeleton.specs)
     header = torch.tensor([MAGIC, STATE_VERSION, len(manifest), payload], dtype=torch.int64)
     group.send(header, dst, TAG_HEADER, "healing transfer (header)")
     progress()
     group.send(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), dst, TAG_MANIFEST, "healing transfer (manifest)")
     progress()
+    lane_group = heal_lanes.Lanes(group, group.rank, dst, lane_count) if lane_count else None
     on_started()
     sent = _HEADER_BYTES + len(manifest)
     current: tuple[int, torch.Tensor] | None = None  # the large tensor being sent, flattened
@@ -266,6 +272,9 @@ def send_state(
                 current = buffer = None  # free a copy of the previous tensor before making the next
                 current = (index, _flat(tensors[index]))
             buffer = current[1][start : start + count]
+            if lane_group is not None:  # counted and reported as it completes
+                sent += lane_group.issue(buffer, progress)
+                continue
             group.send(buffer, dst, TAG_TENSOR, "healing transfer (tensor)")
         else:
             _, _, indices = message
@@ -279,7 +288,7 @@ def send_state(
             group.send(buffer, dst, TAG_PACK, "healing transfer (small tensors)")
         sent += buffer.numel() * buffer.element_size()
         progress()
-    return sent
+    return sent + (lane_group.drain(progress) if lane_group is not None else 0)
 
 
 def recv_state(
@@ -316,7 +325,7 @@ def recv_state(
     raw = torch.empty(manifest_bytes, dtype=torch.uint8)
     group.recv(raw, src, TAG_MANIFEST, "healing transfer (manifest)")
     progress()
-    skeleton, plan_ = safe_loads(raw.numpy().tobytes())
+    skeleton, plan_, lane_count = safe_loads(raw.numpy().tobytes())
     del raw
     specs = skeleton.specs
     tensors: list[torch.Tensor | None] = [None] * len(specs)
@@ -332,10 +341,11 @@ def recv_state(
             tensors[message[1]] = torch.empty(spec.shape, dtype=spec.dtype, device=_place(spec, gpu))
             if tensors[message[1]].device.type == "cpu":
                 large.append(tensors[message[1]])
+    lanes = heal_lanes.Lanes(group, src, group.rank, lane_count) if lane_count else None
     prefault = _Prefault(large) if PREFAULT else None
     del large
     try:
-        received = _receive_tensors(group, src, plan_, specs, tensors, progress, gpu)
+        received = _receive_tensors(group, src, plan_, specs, tensors, progress, gpu, lanes)
     finally:
         if prefault is not None:
             prefault.stop()
@@ -363,13 +373,16 @@ def _place(spec: TensorSpec, gpu: torch.device | None) -> torch.device:
     return gpu if spec.on_gpu and gpu is not None else torch.device("cpu")
 
 
-def _receive_tensors(group: GenerationGroup, src: int, plan_: list[tuple], specs: tuple[TensorSpec, ...],
-                     tensors: list[torch.Tensor | None], progress: Callable[[], None], gpu: torch.device | None = None) -> int:
+def _receive_tensors(group: GenerationGroup, src: int, plan_: list[tuple], specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor | None],
+                     progress: Callable[[], None], gpu: torch.device | None = None, lanes: heal_lanes.Lanes | None = None) -> int:
     received = 0
     for message in plan_:
         if message[0] == "slice":
             _, index, start, count = message
             buffer = tensors[index].view(-1)[start : start + count]
+            if lanes is not None:  # counted and reported as it completes
+                received += lanes.issue(buffer, progress)
+                continue
             group.recv(buffer, src, TAG_TENSOR, "healing transfer (tensor)")
         else:
             _, dtype, indices = message
@@ -384,4 +397,4 @@ def _receive_tensors(group: GenerationGroup, src: int, plan_: list[tuple], specs
                 offset += count
         received += buffer.numel() * buffer.element_size()
         progress()
-    return received
+    return received + (lanes.drain(progress) if lanes is not None else 0)

@@ -417,7 +417,7 @@ def test_gpu_tensors_arrive_on_the_cpu():
 # -- the transfer between two processes over a real Gloo group -------------------------------------
 
 
-def _worker(role: str, port: str, out: str, timeout: str, die: str = "0") -> None:
+def _worker(role: str, port: str, out: str, timeout: str, die: str = "0", lanes: str = "2") -> None:
     """One end of a transfer (run in a child process): rank 0 sends, rank 1 receives; the
     result goes to ``out`` (JSON), a received state to ``out``.pt."""
     from unbroken.worker.group import GenerationGroup
@@ -437,19 +437,25 @@ def _worker(role: str, port: str, out: str, timeout: str, die: str = "0") -> Non
     group = GenerationGroup(1, rank, 2, ["sender", "receiver"], lambda: None, threading.Event(), float(timeout))
     group.connect(store, "heal-test/", "127.0.0.1")
     result: dict = {}
+    healing.MESSAGE_BYTES = 256 << 10  # the two large tensors in 12 slices: several on each lane
+    count = [0]
+
+    def progress() -> None:
+        count[0] += 1
+
     if role == "send":
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if die == "1" else (lambda: None)
-        result["bytes"] = healing.send_state(group, _real_state(), 1, on_started=kill)
+        result["bytes"] = healing.send_state(group, _real_state(), 1, on_started=kill, progress=progress, lanes=int(lanes))
     else:
-        count = [0]
         started = time.monotonic()
         try:
-            state, result["bytes"] = healing.recv_state(group, 0, progress=lambda: count.__setitem__(0, count[0] + 1))
+            state, result["bytes"] = healing.recv_state(group, 0, progress=progress)
             torch.save(state, out + ".pt")
         except GenerationFailed as exc:
             result["error"] = str(exc)
         result["seconds"] = time.monotonic() - started
-        result["messages"] = count[0]
+    result["messages"] = count[0]
+    result["lane_groups"] = len(group.side_groups)
     if "error" not in result:
         group.allreduce(torch.zeros(1), "done")  # neither end leaves before the other is done
     with open(out + ".tmp", "w") as f:
@@ -458,7 +464,7 @@ def _worker(role: str, port: str, out: str, timeout: str, die: str = "0") -> Non
     os._exit(0)  # a Gloo group alive at exit can abort the interpreter
 
 
-def _transfer(tmp_path, timeout: float, die: bool = False) -> tuple[dict, dict]:
+def _transfer(tmp_path, timeout: float, die: bool = False, lanes: int = 2) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
@@ -468,7 +474,7 @@ def _transfer(tmp_path, timeout: float, die: bool = False) -> tuple[dict, dict]:
     try:
         for role in ("send", "recv"):
             with open(tmp_path / f"{role}.log", "w") as log:
-                args = [role, str(store.port), str(tmp_path / f"{role}.json"), str(timeout), "1" if die else "0"]
+                args = [role, str(store.port), str(tmp_path / f"{role}.json"), str(timeout), "1" if die else "0", str(lanes)]
                 children.append(subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 90
         for child in children:
@@ -489,10 +495,15 @@ def _transfer(tmp_path, timeout: float, die: bool = False) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_real_state_crosses_a_real_gloo_group_between_two_processes_exactly(tmp_path):
-    results, logs = _transfer(tmp_path, timeout=30.0)
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_a_real_state_crosses_a_real_gloo_group_between_two_processes_exactly(tmp_path, lanes):
+    """Over the group alone (1 lane) or over parallel connections made for the heal (the large
+    tensors' slices, several in flight on each lane, :mod:`unbroken.worker.heal_lanes`)."""
+    results, logs = _transfer(tmp_path, timeout=30.0, lanes=lanes)
     assert results["send"] is not None and "error" not in results["recv"], logs
     assert results["recv"]["bytes"] == results["send"]["bytes"]
+    assert results["recv"]["messages"] == results["send"]["messages"] > 12, results  # every message reported once
+    assert results["send"]["lane_groups"] == results["recv"]["lane_groups"] == (0 if lanes == 1 else 1), results
     back = torch.load(tmp_path / "recv.json.pt", weights_only=False)
     _assert_same(back, _real_state())
 

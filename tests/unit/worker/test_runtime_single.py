@@ -327,6 +327,7 @@ def test_explicit_arguments_beat_the_environment_and_none_means_not_given(monkey
         ({"coordinator_timeout": 0.0}, "coordinator_timeout must be positive"),
         ({"join_timeout": -1.0}, "join_timeout must be positive"),
         ({"bucket_cap_mb": 0.0}, "bucket_cap_mb must be positive"),
+        ({"heal_lanes": 0}, "heal_lanes must be positive"),
     ],
 )
 def test_runtime_settings_refuse_bad_timeouts(overrides, message):
