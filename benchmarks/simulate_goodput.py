@@ -103,8 +103,9 @@ class Inputs:
     state_bytes: float = _in(405e9 * 16, "bytes", "assumed", "405B parameters x 16 B "
                              "(bf16 weights and gradients, fp32 master weights, 2 Adam moments)")
     link_bytes_per_s: float = _in(50e9, "B/s per GPU", "assumed", "one 400 Gb/s NIC per GPU")
-    heal_efficiency: float = _in(0.34 / 1.33, "of link", "measured here", "healing 1.33 s vs plain Gloo broadcast "
-                                 "0.34 s of 1.21 GB (`python benchmarks/bench_heal.py`)")
+    heal_efficiency: float = _in(1.0, "of link", "measured here", "a warmed heal over two connections in 0.65-0.72x "
+                                 "the time of a Gloo broadcast over one, 1.21 GB (`python benchmarks/bench_heal.py`): "
+                                 "at the link's speed, taken as 1")
     snapshot_bytes_per_s: float = _in(25e9, "B/s per GPU", "assumed", "pinned device-to-host copy, 8 GPUs per host "
                                       "(measured here on CPU only: 2.05 GB/s, `python benchmarks/bench_checkpoint.py`)")
     storage_bytes_per_s: float = _in(2e12, "B/s", "assumed", "the Llama 3 paper's storage, 2 TB/s sustained; "
