@@ -29,13 +29,23 @@ def why_not_available() -> str | None:
     return None
 
 
+def _subnet() -> int:
+    """The third byte of this test's subnet, 10..249: different in every process that makes hosts
+    at the same time, pytest-xdist's workers included (worker i of n takes the numbers equal to
+    i modulo n; within a worker, tests make hosts one after another)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    return 10 + (os.getpid() % (240 // count)) * count + index % count
+
+
 class Hosts:
     def __init__(self, count: int) -> None:
         tag = f"ub{os.getpid() % 10000}"
         self.bridge = f"{tag}br"
         self.names = [f"{tag}h{i}" for i in range(count)]
         self.links = [f"{tag}v{i}" for i in range(count)]
-        subnet = 10 + os.getpid() % 200
+        subnet = _subnet()
         self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(count)]
         self.bridge_address = f"10.213.{subnet}.254"
         """The test process's own address on the bridge: it can reach every host (to probe etcd
