@@ -77,7 +77,8 @@ class Graveyard:
             for group, _ in done:
                 group.works = []
                 group.pg = None  # the last reference: the group is destroyed here
-                group.store = None
+                group.side_groups = []  # a heal's lanes: their works were counted in group.works
+                group.store = group.base_store = None
             if done:
                 with self._lock:
                     self._parked = [p for p in self._parked if p not in done]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.errors import GenerationFailed
-from unbroken.worker.blocking_waits import wait_in_thread
+from unbroken.worker.blocking_waits import call_in_thread, wait_in_thread
 from unbroken.worker.nccl import abort as abort_nccl
 from unbroken.worker.nccl import nccl_environment, prepare_environment  # noqa: F401 - nccl_environment: its old home
 from unbroken.worker.torch_groups import _connect_ring, _device, _nccl_group
@@ -84,6 +84,10 @@ class GenerationGroup:
         self._waits = 0
         self.store: Any = None
         self.store_host = ""
+        self.base_store: Any = None
+        """The store the group was made under (``store`` is it under this generation's prefix,
+        ``store_prefix``)."""
+        self.store_prefix = ""
         self.works: list[Any] = []
         """Collectives issued on this group that may still be pending (completed ones are pruned)."""
         self.side_groups: list[tuple[Any, Any]] = []
@@ -97,7 +101,7 @@ class GenerationGroup:
         """Build the group on a helper thread, watched like a wait: a Gloo group (lazily
         connecting, then its ring neighbours connected; or a full mesh, see :data:`LAZY_CONNECT`),
         or an NCCL group (whose communicator is made by its first collective, also watched)."""
-        self.store_host = store_host
+        self.store_host, self.base_store, self.store_prefix = store_host, store, prefix
         result: list[Any] = []
         if self.backend == "nccl":
             prepare_environment(self.timeout)  # read by torch when the group is made (the Job set it already)
@@ -250,7 +254,8 @@ class GenerationGroup:
     def run_watched(self, call: Callable[[], Any], what: str) -> Any:
         """``call()`` (a blocking call such as making a group) on a helper thread, watched like a
         wait; returns its result. Raises :class:`GenerationFailed` if it raises, or if the
-        generation is abandoned or times out first (the thread is then left to end by itself)."""
+        generation is abandoned or times out first (the thread is then left to end by itself,
+        counted by :func:`~unbroken.worker.blocking_waits.in_flight` until it does)."""
         result: list[Any] = []
 
         def run() -> None:
@@ -260,7 +265,7 @@ class GenerationGroup:
                 result.append(exc)
             self._wake.set()
 
-        threading.Thread(target=run, name=f"unbroken-g{self.number}-{what}", daemon=True).start()
+        call_in_thread(run, f"unbroken-g{self.number}-{what}")
         self._watch(lambda: bool(result), what)
         if isinstance(result[0], BaseException):
             raise GenerationFailed(f"generation {self.number}: {what} failed: {result[0]}") from None

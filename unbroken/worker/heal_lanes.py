@@ -2,16 +2,19 @@
 
 One TCP connection between two processes moves data at what one kernel thread on each side can
 copy; two connections, each served by its own Gloo I/O thread, move more, even on two cores:
-``benchmarks/bench_heal.py`` healed the 1.2 GB state over two lanes in 0.68x the time of a Gloo
-broadcast of the same bytes over one. A heal therefore sends its large tensors' slices over
+``benchmarks/bench_heal.py`` healed the 1.2 GB state over two lanes in 0.60-0.66x the time of a
+heal over one, 0.65-0.72x that of a Gloo broadcast of the same bytes. A heal therefore sends its large tensors' slices over
 ``lanes`` connections of a small Gloo group of two ranks (the source and its receiver) made for
-the heal under the generation's store, slice ``j`` on lane ``j % lanes``, with
-:data:`IN_FLIGHT_PER_LANE` slices in flight per lane. Header, manifest and packs of small tensors still go over the generation's
+the heal under the generation's store (through a store client of its own), slice ``j`` on lane
+``j % lanes``, with about :data:`IN_FLIGHT_PER_LANE` slices in flight per lane. A state without
+large tensors has no lanes. Header, manifest and packs of small tensors still go over the generation's
 group.
 
-The lane group costs one store round trip and one TCP connect per lane (1-2 ms); it lives as
-long as the generation's group (kept in its ``side_groups``), so an abandoned generation's
-graveyard keeps it until its works can no longer be pending, as it does for the group itself.
+The lane group costs a store connection, a round trip and one TCP connect per lane (1-2 ms); it
+lives as long as the generation's group (kept in its ``side_groups``, released with it), so an
+abandoned generation's graveyard keeps it until its works can no longer be pending, as it does
+for the group itself. A receiver whose heal fails empties its ``into`` (warm memory a posted
+receive may still write), so that memory never becomes its model's.
 Only Gloo groups have lanes (NCCL has its own channels). The number is a setting,
 ``RuntimeSettings.heal_lanes`` (``UNBROKEN_HEAL_LANES``, default 2); 1 sends every slice over the
 generation's group, as before lanes.
@@ -37,10 +40,25 @@ TAG_LANE = 16
 """Tag of lane 0; lane ``i`` uses ``TAG_LANE + i`` (Gloo picks a group's connection by tag)."""
 
 
-def lanes_for(group: Any, wanted: int) -> int:
-    """How many lanes a heal over ``group`` uses: ``wanted`` if ``group`` is a Gloo generation
-    group and ``wanted`` is more than one, else 0 (slices over ``group`` itself)."""
-    return wanted if wanted > 1 and getattr(group, "backend", None) == "gloo" else 0
+def lanes_for(group: Any, wanted: int, plan: list[tuple]) -> int:
+    """How many lanes a heal over ``group`` of the messages ``plan`` uses: ``wanted`` if ``group``
+    is a Gloo generation group, ``wanted`` is more than one and some message is a large tensor's
+    slice, else 0 (everything over ``group`` itself)."""
+    if wanted <= 1 or getattr(group, "backend", None) != "gloo":
+        return 0
+    return wanted if any(message[0] == "slice" for message in plan) else 0
+
+
+def _own_store(group: Any, prefix: str) -> Any:
+    """The generation's store under ``prefix``, through a client of its own where the store is a
+    TCPStore: making a group waits in the store for the peer's address, holding its client, and a
+    peer that dies meanwhile must not hold up this member's next generation on the shared one."""
+    base = group.base_store
+    if isinstance(base, dist.TCPStore):
+        base = dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=group.timeout))
+        return dist.PrefixStore(group.store_prefix + prefix, base)
+    return dist.PrefixStore(prefix, group.store)
 
 
 @dataclass
@@ -69,7 +87,7 @@ class Lanes:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = datetime.timedelta(seconds=group.timeout)
             options._devices = [_device(group.store_host) for _ in range(count)]
-            return dist.ProcessGroupGloo(dist.PrefixStore(prefix, group.store), self._rank, 2, options)
+            return dist.ProcessGroupGloo(_own_store(group, prefix), self._rank, 2, options)
 
         self._issued = 0  # slices issued so far: slice j goes on lane j % count
         self._in_flight: list[_Pending] = []  # oldest first

@@ -23,17 +23,15 @@ all from the source to one receiver, in this order:
    tensors do not pay a message each. Empty tensors send nothing. With lanes (Gloo), the slices
    go over parallel connections made for the heal (:mod:`unbroken.worker.heal_lanes`).
 
-The manifest is a pickle, read by a restricted unpickler
-(:class:`~unbroken.storage.safe_unpickle.SafeUnpickler`): only plain containers, numbers, strings, torch
-dtypes and sizes, numpy arrays and this module's own types, never an arbitrary callable. A state_dict that holds other objects is refused with an error
-naming the type. (Checkpoints load with ``torch.load(weights_only=True)``, accepting the same.)
+The manifest is a pickle, read by a restricted unpickler (:class:`~unbroken.storage.safe_unpickle.SafeUnpickler`):
+only plain containers, numbers, strings, torch dtypes and sizes, numpy arrays and this module's own types, never
+an arbitrary callable; another object is refused with an error naming its type (as checkpoints' ``weights_only``).
 
 A receiver loads nothing into the caller's objects: it builds a new state and returns it only
 once every message has arrived, so a transfer cut by a failure leaves it as it was. It allocates
 its large tensors when the manifest arrives and faults their pages in on a helper thread while
 the data comes (``PREFAULT``, :mod:`unbroken.worker.prefault`): for a receiver that does not hold the
-memory yet, the first touch of new pages costs about as much as the transfer itself
-(benchmarks/bench_heal.py).
+memory yet, the first touch of new pages costs about as much as the transfer (benchmarks/bench_heal.py).
 """
 
 from __future__ import annotations
@@ -225,13 +223,10 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
 
 
-# -- receiving into new memory ---------------------------------------------------------------------
+# -- transfer ------------------------------------------------------------------------------------
 
 PREFAULT = True
 """Whether a receiver faults in the pages of its new tensors on a helper thread, ahead of the data."""
-
-
-# -- transfer ------------------------------------------------------------------------------------
 
 
 def send_state(
@@ -252,7 +247,7 @@ def send_state(
     """
     skeleton, tensors = split(state)
     plan_ = messages(skeleton.specs)
-    lane_count = heal_lanes.lanes_for(group, lanes)
+    lane_count = heal_lanes.lanes_for(group, lanes, plan_)
     manifest = pickle.dumps((skeleton, plan_, lane_count), protocol=pickle.HIGHEST_PROTOCOL)
     payload = sum(spec.nbytes for spec in skeleton.specs)
     header = torch.tensor([MAGIC, STATE_VERSION, len(manifest), payload], dtype=torch.int64)
@@ -301,17 +296,16 @@ def recv_state(
     ``into``: tensors of this member, by their place in the state (:func:`tensor_places`), that
     may be overwritten: a large tensor received at that place with the same dtype, shape and
     device lands in it instead of in new memory (:mod:`unbroken.worker.warm_state`). Only memory
-    that holds nothing of value belongs there: a cut transfer leaves it partly written.
-
+    that holds nothing of value belongs there: a cut transfer leaves it partly written, and
+    empties ``into`` (a receive still posted may write it later).
     Nothing is loaded into the caller's objects: a transfer cut by a failure
     (:class:`GenerationFailed`) leaves the receiver as it was. Every tensor arrives as a plain,
     contiguous tensor with its own memory, of the sender's dtype, shape and values: a
     non-contiguous tensor or a view arrives as a contiguous copy, tensors that share memory in
     the sender (a view and its base) arrive as separate tensors, a GPU tensor arrives on ``gpu``
-    (on the CPU when ``gpu`` is None), a CPU tensor on the CPU, a Parameter arrives as a plain tensor (state_dicts hold plain tensors). One tensor object
-    that appears twice in the state arrives as one object, twice.
-    Raises :class:`ConfigError` if the sender runs another version of the wire format.
-    """
+    (on the CPU when ``gpu`` is None), a CPU tensor on the CPU, a Parameter as a plain tensor.
+    One tensor object that appears twice in the state arrives as one object, twice.
+    Raises :class:`ConfigError` if the sender runs another version of the wire format."""
     header = torch.zeros(4, dtype=torch.int64)
     group.recv(header, src, TAG_HEADER, "healing transfer (header)")
     progress()
@@ -346,6 +340,10 @@ def recv_state(
     del large
     try:
         received = _receive_tensors(group, src, plan_, specs, tensors, progress, gpu, lanes)
+    except BaseException:
+        if into:
+            into.clear()
+        raise
     finally:
         if prefault is not None:
             prefault.stop()

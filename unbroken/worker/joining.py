@@ -383,7 +383,7 @@ class Joiner:
         """Leave a healthy generation at a step boundary (someone waits to join)."""
         self.job._donor.end(with_digest=True)
         if self.group is not None:
-            self.group.pg = None  # nothing is pending on it: safe to destroy
+            self.group.pg, self.group.side_groups = None, []  # nothing is pending on them: safe to destroy
             self.group = None
 
     def leave(self, finished: bool) -> None:

@@ -50,9 +50,9 @@ class RuntimeSettings:
     """Size of a gradient allreduce bucket in MB (``UNBROKEN_BUCKET_CAP_MB``)."""
     heal_lanes: int = 2
     """Parallel connections a heal over Gloo sends the state's large tensors on
-    (``UNBROKEN_HEAL_LANES``, :mod:`unbroken.worker.heal_lanes`): two moved 1.2 GB in 0.68x the time
-    of one connection on a 2-core machine; 1 sends everything over the generation's group. The
-    source's setting counts (the receiver follows it)."""
+    (``UNBROKEN_HEAL_LANES``, :mod:`unbroken.worker.heal_lanes`): two moved 1.2 GB in 0.60-0.66x
+    the time of one connection on a 2-core machine; 1 sends everything over the generation's
+    group. The source's setting counts (the receiver follows it)."""
     verify_every: int = 0
     """Also compare a hash of every member's parameters and buffers every this many steps
     (``UNBROKEN_VERIFY_EVERY``); 0 compares them only at the end. Costs a hash and a small allreduce."""
@@ -89,6 +89,8 @@ class RuntimeSettings:
             raise ConfigError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
         if self.coordinator_grace < 0:
             raise ConfigError(f"coordinator_grace must be at least 0, got {self.coordinator_grace}")
+        if not isinstance(self.heal_lanes, int) or isinstance(self.heal_lanes, bool):
+            raise ConfigError(f"heal_lanes must be a whole number of connections, got {self.heal_lanes!r}")
         for name in ("coordinator_timeout", "join_timeout", "bucket_cap_mb", "heal_lanes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -363,6 +363,33 @@ def test_a_transfer_cut_short_raises_and_returns_nothing():
         healing.recv_state(link, 0)
 
 
+def test_a_cut_transfer_empties_the_warm_memory_it_was_landing_in():
+    """A receive left posted by a failed heal may still write into the warm tensors it was
+    landing in, so they must never become the model's memory in a later heal."""
+    state = {"w": torch.randn(1 << 19), "b": torch.randn(8)}  # 2 MB: a large tensor, sliced
+    into = {("w",): torch.zeros(1 << 19)}
+    with _sizes(large=1 << 20, pack=16 << 20, message=1 << 19):
+        link = _Link(cut_after=3)  # header, manifest, one slice of four: then the link fails
+        healing.send_state(link, state, 1)
+        with pytest.raises(GenerationFailed):
+            healing.recv_state(link, 0, into=into)
+    assert into == {}
+    back, _, _ = _round_trip(state)  # and the next heal, into new memory, is whole
+    _assert_same(back, state)
+
+
+def test_lanes_only_for_a_gloo_group_more_than_one_and_a_state_with_large_tensors():
+    from types import SimpleNamespace
+
+    from unbroken.worker.heal_lanes import lanes_for
+
+    gloo, nccl = SimpleNamespace(backend="gloo"), SimpleNamespace(backend="nccl")
+    sliced, packed = [("pack", torch.float32, (0,)), ("slice", 1, 0, 10)], [("pack", torch.float32, (0, 1))]
+    assert lanes_for(gloo, 2, sliced) == 2 and lanes_for(gloo, 3, sliced) == 3
+    assert lanes_for(gloo, 1, sliced) == lanes_for(nccl, 2, sliced) == lanes_for(_Link(), 2, sliced) == 0
+    assert lanes_for(gloo, 2, packed) == 0  # nothing to stripe: no group made for it
+
+
 def test_a_sender_of_another_state_version_is_refused_with_a_clear_error():
     link = _Link()
     healing.send_state(link, {"x": torch.ones(3)}, 1)

@@ -328,6 +328,7 @@ def test_explicit_arguments_beat_the_environment_and_none_means_not_given(monkey
         ({"join_timeout": -1.0}, "join_timeout must be positive"),
         ({"bucket_cap_mb": 0.0}, "bucket_cap_mb must be positive"),
         ({"heal_lanes": 0}, "heal_lanes must be positive"),
+        ({"heal_lanes": 2.5}, "heal_lanes must be a whole number"),
     ],
 )
 def test_runtime_settings_refuse_bad_timeouts(overrides, message):
