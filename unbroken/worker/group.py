@@ -338,10 +338,17 @@ class GenerationGroup:
         self.allreduce(table, what)
         return table.cpu()
 
+    def staged(self, tensor: torch.Tensor, sending: bool) -> torch.Tensor:
+        """``tensor`` itself if it is on this group's device, else a copy there (to send) or new
+        memory there (to receive into, copied to ``tensor`` once the receive completed)."""
+        if tensor.device == self.device:
+            return tensor
+        return tensor.to(self.device) if sending else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
         """Send ``tensor`` (contiguous) to rank ``dst``; one on another device than this group's
         goes through a copy on it (a CUDA tensor over Gloo, a CPU tensor over NCCL)."""
-        staged = tensor if tensor.device == self.device else tensor.to(self.device)
+        staged = self.staged(tensor, sending=True)
         try:
             work = self._issued(self.pg.send([staged], dst, tag))
         except Exception as exc:
@@ -351,7 +358,7 @@ class GenerationGroup:
     def recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
         """Receive into ``tensor`` (contiguous) from rank ``src``, through a copy on this group's
         device if ``tensor`` is on another."""
-        staged = tensor if tensor.device == self.device else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        staged = self.staged(tensor, sending=False)
         try:
             work = self._issued(self.pg.recv([staged], src, tag))
         except Exception as exc:

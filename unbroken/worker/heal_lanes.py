@@ -32,8 +32,6 @@ import torch.distributed as dist
 from unbroken.errors import GenerationFailed
 from unbroken.worker.torch_groups import _device
 
-DEFAULT_LANES = 2
-"""Lanes of a heal when the caller names none (``RuntimeSettings.heal_lanes``'s default)."""
 IN_FLIGHT_PER_LANE = 2
 """Slices issued ahead on each lane, so that a lane never waits for the next slice to be posted."""
 TAG_LANE = 16
@@ -114,12 +112,10 @@ class Lanes:
         """Issue slice ``index`` (a contiguous tensor) on its lane: a send from the source, a
         receive on the other end. A tensor on another device goes through a copy on the group's."""
         tag = TAG_LANE + index % self.count
-        device = self.group.device
+        staged = self.group.staged(tensor, sending=self._rank == 0)
         try:
             if self._rank == 0:
-                staged = tensor if tensor.device == device else tensor.to(device)
                 return _Pending(self.group.track(self.pg.send([staged], 1, tag)), staged)
-            staged = tensor if tensor.device == device else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
             return _Pending(self.group.track(self.pg.recv([staged], 0, tag)), staged, tensor if staged is not tensor else None)
         except Exception as exc:
             raise GenerationFailed(f"generation {self.group.number}: healing transfer (lane) failed to start: {exc}") from None

@@ -47,6 +47,7 @@ import torch
 from unbroken.errors import ConfigError
 from unbroken.worker import heal_lanes
 from unbroken.worker.group import GenerationGroup
+from unbroken.worker.runtime_settings import RuntimeSettings
 from unbroken.worker.heal_plan import HealPlan, plan, rounds  # noqa: F401 - offered here as before
 from unbroken.worker.rng_state import rng_state, set_rng_state  # noqa: F401 - offered here as before
 from unbroken.worker.state_digests import extend_digest, lineage_digest, state_digest  # noqa: F401 - offered here as before
@@ -235,7 +236,7 @@ def send_state(
     dst: int,
     on_started: Callable[[], None] = lambda: None,
     progress: Callable[[], None] = lambda: None,
-    lanes: int = heal_lanes.DEFAULT_LANES,
+    lanes: int = RuntimeSettings.heal_lanes,
 ) -> int:
     """Send ``state`` to rank ``dst`` of ``group``; returns the bytes sent; ``lanes``: connections
     for the large tensors where ``group`` is a Gloo group (the receiver follows).
