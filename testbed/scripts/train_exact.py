@@ -58,6 +58,8 @@ parser.add_argument("--eval-seconds", type=float, default=0.0, help="the evaluat
 parser.add_argument("--eval-log", default=None, help="append every member's (member, step, result, ran) here")
 parser.add_argument("--kill-in-eval", type=int, default=None, help="the leader SIGKILLs itself inside the evaluation after this step (once)")
 parser.add_argument("--metrics-log", default=None, help="a torchmetrics MSE synced over torch.distributed's default group in every step; append it and step.loss here; a rank-zero-only logger prints RZ lines")
+parser.add_argument("--manual-lr", action="store_true", help="no scheduler: set every param_group's lr by hand at the top of each step, as nanoGPT does")
+parser.add_argument("--clamp", type=float, default=None, help="clamp every parameter to [-C, C] after each commit (a state change outside the optimizer)")
 args = parser.parse_args()
 if args.device == "cuda":
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
@@ -125,7 +127,7 @@ job = unbroken.Job(
     global_batch_size=args.global_batch_size,
     micro_batch_size=args.micro_batch_size,
     seed=7,
-    scheduler=scheduler,
+    scheduler=None if args.manual_lr else scheduler,
     num_workers=args.loader_workers,
     prefetch=args.prefetch,
     # a small scale that grows every 4 good steps, so that 40 steps see growth and back-off
@@ -177,6 +179,9 @@ for step in job.steps(total=args.steps):
         break
     if args.raise_at_step is not None and step.index == args.raise_at_step:
         raise RuntimeError(f"deliberate failure at step {step.index}")
+    if args.manual_lr:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.05 / (1.0 + 0.1 * step.index)
     seen = []
     if args.metrics_log:
         mse.reset()
@@ -235,6 +240,10 @@ for step in job.steps(total=args.steps):
         job.scaler.unscale_(job.optimizer)  # clip the true gradients, as under DDP
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
     step.commit()
+    if args.clamp is not None and step.committed:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-args.clamp, args.clamp)
     if args.scaler_log and step.committed and job.scaler is not None:
         with open(args.scaler_log, "a") as f:
             f.write(f'{{"member": "{os.environ.get("UNBROKEN_MEMBER_ID", "single")}", "step": {step.index}, "skipped": {str(step.skipped).lower()}, "scale": {job.scaler.get_scale()!r}}}\n')

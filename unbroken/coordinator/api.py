@@ -243,6 +243,14 @@ class CoordinatorApi(LineWatch):
             asyncio.get_running_loop().call_later(0.02, self._check_generation_connections)
         return self._reply({"ok": True})
 
+    async def _catch_up_off(self, request):
+        body = await self._json(request)
+        reason = str(body.get("reason", "a catch-up failed to verify"))[:500]
+        if self.state.stop_catch_ups(reason):
+            self.events.emit("catch_up_off", member=body["member"], reason=reason)
+            self._bump()
+        return self._reply({"ok": True})
+
     async def _exit(self, request):
         body = await self._json(request)
         member_id = body["member"]

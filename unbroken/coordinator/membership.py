@@ -100,6 +100,10 @@ class Membership(Liveness, MemberRequests):
     set: only their long polls need waking, unless the view shared by all changed."""
     version: int = 0
     """Counts changes of the state; a view computed at one version holds until it moves."""
+    catch_up_off: str | None = None
+    """Why newcomers no longer catch up from a donor (a replay once failed to verify: the job's
+    loop changes state outside the optimizer's and scheduler's steps); None while they may.
+    From then on every newcomer waits as any joiner does, and is healed."""
     preformed: frozenset[str] = frozenset()
     """Members of the current generation that were formed into it without joining it (see
     :meth:`take_survivors`): they learn of it from their heartbeat reply, at once."""
@@ -311,7 +315,7 @@ class Membership(Liveness, MemberRequests):
         nobody else; without one, the member waits as an ordinary joiner (and is healed). Returns
         True if anything changed."""
         donor = None
-        if address is not None and self.current is not None:
+        if address is not None and self.current is not None and self.catch_up_off is None:
             for candidate in reversed(self.current.members):
                 m = self.members.get(candidate)
                 if m is not None and m.state is MemberState.ACTIVE and self._donating.get(candidate, member.id) == member.id:
@@ -330,6 +334,20 @@ class Membership(Liveness, MemberRequests):
             self._catching[member.id] = donor
             self._donating[donor] = member.id
             self.changed_members.add(donor)
+        self.version += 1
+        return True
+
+    def stop_catch_ups(self, reason: str) -> bool:
+        """No newcomer catches up from now on (:attr:`catch_up_off`); those catching up are
+        healed instead. True the first time."""
+        if self.catch_up_off is not None:
+            return False
+        self.catch_up_off = reason
+        for member_id in list(self._catching):
+            if member_id in self.members:
+                self._catch_up(self.members[member_id], None)
+            else:
+                self._catching.pop(member_id, None)
         self.version += 1
         return True
 

@@ -25,6 +25,8 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
                             fence, finished, failed}`` as soon as it differs from ``seen``.
 ``POST /v1/failure``        ``{member, generation, error}``: a collective of that generation failed.
 ``POST /v1/exit``           ``{member, exitcode, reason}``: a launcher saw a worker process exit.
+``POST /v1/catch_up_off``   ``{member, reason}``: a catch-up's replay differed from its donor's state;
+                            newcomers are healed from now on.
 ``POST /v1/leave``          ``{member, finished, step}``: a member left (``finished``: job done).
 ``POST /v1/quarantine``     ``{prefix, seconds, reason}``: a launcher took a worker slot out of the
                             job for ``seconds`` (0 lifts it). Until then ``/v1/join`` answers
@@ -181,6 +183,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
                 web.post("/v1/heartbeat", self._heartbeat),
                 web.post("/v1/failure", self._failure),
                 web.post("/v1/exit", self._exit),
+                web.post("/v1/catch_up_off", self._catch_up_off),
                 web.post("/v1/leave", self._leave),
                 web.post("/v1/quarantine", self._quarantine),
                 web.get("/v1/status", self._status),

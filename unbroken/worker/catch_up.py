@@ -9,11 +9,23 @@ with the healing wire format (:mod:`unbroken.worker.healing`) over a TCP stream
 (:mod:`unbroken.worker.stream_link`); from then on it also keeps the reduced gradients (and
 buffers) of every step it commits and streams them after the state. The newcomer loads the state
 (into its warmed optimizer memory, :mod:`unbroken.worker.warm_state`) and replays each step: the
-same gradients through the same optimizer and scheduler give the same bits. Once it has replayed
-every step the donor had committed, it joins as usual; the others re-form at their next step
-boundary, the donor ends the stream with the digest of its parameters, the newcomer replays the
-last steps and checks that digest, and the heal then finds it at the others' step and lineage:
-nothing is sent, and the survivors paid only for the re-formation.
+same gradients through the same optimizer and scheduler give the same bits. Each record carries the
+param_groups' hyper-parameters the step was committed with, and the replay sets them first: a loop
+that sets its learning rate by hand (nanoGPT) replays exactly. Once it has replayed every step the
+donor had committed, it joins as usual; the others re-form at their next step boundary, the donor
+ends the stream with a digest of its whole training state
+(:class:`~unbroken.worker.state_digests.WholeStateDigest`: parameters, buffers, optimizer state and
+hyper-parameters, scheduler; taken on the donor's stream thread, off the survivors' critical path),
+the newcomer replays the last steps and compares it with its own, and the heal then finds it at the
+others' step and lineage: nothing is sent, and the survivors paid only for the re-formation.
+
+The replay is a fast path, never a source of truth (DESIGN: Fast paths). A stream that ends without
+a digest (the donor's generation broke, the donor died) or with one that differs (the loop changed
+the state in a way a replay cannot see: a clamp after the commit, a state set from an ``on_leader``
+result) leaves the newcomer *unverified*: it counts as fresh and the heal copies the whole state
+from a peer. A digest that differs at a step boundary also turns catch-up off for the rest of the
+job (the coordinator names no donor any more, :meth:`CatchUp.mismatch`): such a loop would fail
+again at every rejoin.
 
 It falls back to the heal whenever it cannot be exact or bounded: a job with a GradScaler or
 ``extra_state`` (the loop changes them in ways a replay cannot see), a replica group, a donor
@@ -27,16 +39,16 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import socket
 import threading
 import time
-import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.errors import ReplicaDivergence
+from unbroken.storage.safe_unpickle import safe_loads
 from unbroken.worker import healing, state_digests
 from unbroken.worker.stream_link import LinkBroken, StreamLink
 from unbroken.worker.warm_state import adopt_parameters
@@ -48,7 +60,7 @@ log = logging.getLogger("unbroken")
 
 MAX_RECORDS = int(os.environ.get("UNBROKEN_CATCH_UP_STEPS", "8"))
 """Steps a donor may hold for its newcomer before it gives up (memory: a gradient copy each)."""
-TAG_RECORD, TAG_MASK, TAG_TENSOR = 101, 102, 103
+TAG_RECORD, TAG_MASK, TAG_TENSOR, TAG_HYPERS, TAG_DIGEST = 101, 102, 103, 104, 105
 RECORD, END = 1, 2
 
 
@@ -62,24 +74,16 @@ def _params(job: CatchingUpJob) -> list[torch.nn.Parameter]:
     return [p for group in job.optimizer.param_groups for p in group["params"]]
 
 
-def params_digest(job: CatchingUpJob) -> int:
-    """A 63-bit checksum of the model's parameters and buffers, bit for bit, computed where they
-    live in one pass at memory speed (a cryptographic hash of gigabytes on the host would cost
-    the survivors seconds): each tensor's 64-bit words summed (wrapping), the sums chained with
-    the tensors' names and shapes. Any change of one word changes it; it guards against a replay
-    gone wrong, not against an adversary."""
-    total = 0
-    for name, tensor in job.model.state_dict().items():
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        if flat.numel() % 8:
-            flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
-        words = int(flat.view(torch.int64).sum().item()) if flat.numel() else 0
-        label = zlib.crc32(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        total = (total * 1_000_003 + label * 65_537 + words) % _DIGEST_MOD
-    return total
+def state_digest(job: CatchingUpJob) -> state_digests.WholeStateDigest:
+    """The digest of ``job``'s whole training state, its parameters and optimizer state left to be
+    read by :meth:`~unbroken.worker.state_digests.WholeStateDigest.value` (before the next optimizer step)."""
+    names = {name for name, _ in job.model.named_parameters()}
+    return state_digests.training_state_digest(job._state(), names)
 
 
-_DIGEST_MOD = (1 << 61) - 1
+def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param_group's settings but its parameters: what a commit used, for its replay to use."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 # -- the donor ------------------------------------------------------------------------------------
@@ -102,6 +106,8 @@ class Donation:
         self.steps = 0
         self._ending = threading.Event()
         self._ended = threading.Event()
+        self._digested = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._send, name="unbroken-donation", daemon=True)
         self._thread.start()
 
@@ -114,19 +120,35 @@ class Donation:
             return
         grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in _params(self.job)]
         buffers = [b.detach().to("cpu", copy=True) for b in self.job.model.buffers()]
-        self.records.put((step.index, step.generation, grads, buffers))
+        hypers = pickle.dumps(hyper_parameters(self.job.optimizer), protocol=pickle.HIGHEST_PROTOCOL)
+        self.records.put((step.index, step.generation, grads, buffers, hypers))
         self.steps += 1
 
     def fail(self, reason: str) -> None:
-        if self.failed is None:
-            self.failed = reason
+        with self._lock:  # a digest read when it fails is never sent (:meth:`_send_end`)
+            first = self.failed is None
+            if first:
+                self.failed = reason
+        if first:
             log.info("%s: the catch-up of %s stopped: %s", self.job.member_id, self.newcomer, reason)
         self.link.close()
 
-    def end(self, digest: int | None, timeout: float) -> None:
-        """This member leaves its generation: send what is left, then the end with ``digest``."""
-        self.records.put(("end", digest))
+    def end(self, digest: state_digests.WholeStateDigest, at_boundary: bool) -> None:
+        """This member leaves its generation: send what is left, then the end with ``digest``
+        (read on the stream's thread: :meth:`settle` before the state next changes).
+        ``at_boundary``: at a step boundary, where nothing of the next step has run yet."""
+        self.records.put(("end", digest, at_boundary))
         self._ending.set()
+
+    def settle(self, timeout: float) -> None:
+        """Before this member's state next changes: wait until the end's digest has been read
+        (normally long done: a re-formation and a step's forward and backward passed since);
+        past ``timeout`` the stream fails instead, and the newcomer is healed."""
+        if not self._digested.wait(timeout):
+            self.fail("the digest was not read in time")
+
+    def drain(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) until the stream has sent everything: this process may end."""
         if not self._ended.wait(timeout):
             self.fail("the stream did not drain in time")
 
@@ -137,19 +159,31 @@ class Donation:
             while True:
                 item = self.records.get()
                 if item[0] == "end":
-                    digest = item[1]
-                    self.link.send(torch.tensor([END, self.job.next_step, -1 if digest is None else digest, 0]), tag=TAG_RECORD)
+                    self._send_end(item[1], item[2])
                     break
-                index, generation, grads, buffers = item
-                self.link.send(torch.tensor([RECORD, index, generation, self.records.qsize()]), tag=TAG_RECORD)
+                index, generation, grads, buffers, hypers = item
+                self.link.send(torch.tensor([RECORD, index, generation, self.records.qsize(), len(hypers)]), tag=TAG_RECORD)
                 self.link.send(torch.tensor([g is not None for g in grads], dtype=torch.uint8), tag=TAG_MASK)
+                self.link.send(torch.frombuffer(bytearray(hypers), dtype=torch.uint8), tag=TAG_HYPERS)
                 for tensor in [g for g in grads if g is not None] + buffers:
                     self.link.send(tensor, tag=TAG_TENSOR)
         except (LinkBroken, OSError) as exc:
             self.fail(str(exc))
         finally:
+            self._digested.set()
             self.link.close()
             self._ended.set()
+
+    def _send_end(self, digest: state_digests.WholeStateDigest, at_boundary: bool) -> None:
+        """Send the end, then read its digest (the newcomer reads its own meanwhile; this member's
+        next optimizer step waits for it: :meth:`settle`) and send that."""
+        self.link.send(torch.tensor([END, self.job.next_step, int(at_boundary), 0, 0]), tag=TAG_RECORD)
+        value = digest.value()
+        with self._lock:
+            self._digested.set()
+            if self.failed:  # settle gave up waiting: the state may have changed while it was read
+                return
+        self.link.send(torch.tensor([value]), tag=TAG_DIGEST)
 
 
 class Donor:
@@ -161,10 +195,13 @@ class Donor:
         self.wanted: dict[str, Any] | None = None
         """The coordinator's request (``{"member", "address"}``), set from the heartbeat thread."""
         self.active: Donation | None = None
+        self._ended: Donation | None = None
+        """The last donation ended, while its digest may still be being read."""
         self._served: set[str] = set()
 
     def before_step(self, step: Any) -> None:
         """In a commit, before the optimizer's step."""
+        self.settle()
         wanted = self.wanted
         if self.active is None and wanted and wanted.get("member") not in self._served and eligible(self.job):
             self._served.add(wanted["member"])
@@ -178,13 +215,25 @@ class Donor:
         if self.active is not None:
             self.active.record(step)
 
-    def end(self, with_digest: bool) -> None:
-        """This member leaves its generation (or the job): end the stream. ``with_digest``: at a
-        step boundary, where the newcomer checks its replay against this member's parameters."""
+    def end(self, at_boundary: bool, drain: bool = False) -> None:
+        """This member leaves its generation (or the job, ``drain``: wait until the stream is sent):
+        end the stream with the digest of its whole state, which the newcomer checks its replay
+        against. ``at_boundary``: at a step boundary, where nothing of the next step has run (else
+        a loop that already set the next step's learning rate differs there, and the newcomer is healed)."""
         donation, self.active = self.active, None
         if donation is None or donation.failed:  # a failed donation closed its stream already
             return
-        donation.end(params_digest(self.job) if with_digest else None, self.job.settings.collective_timeout)
+        donation.end(state_digest(self.job), at_boundary)
+        self._ended = donation
+        if drain:
+            donation.drain(self.job.settings.collective_timeout)
+
+    def settle(self) -> None:
+        """Before this member's parameters or optimizer state change: the last ended stream's
+        digest has been read (:meth:`Donation.settle`)."""
+        donation, self._ended = self._ended, None
+        if donation is not None:
+            donation.settle(self.job.settings.collective_timeout)
 
 
 # -- the newcomer ---------------------------------------------------------------------------------
@@ -203,7 +252,10 @@ class CatchUp:
         self.caught_up = False
         self.ended = threading.Event()
         self.error: str | None = None
-        self.diverged: str | None = None
+        self.verified = False
+        """The replay ended at the donor's step with the donor's whole-state digest."""
+        self.mismatch: str | None = None
+        """Why a digest taken at a step boundary differed: the loop is not replayable."""
         self.replayed = 0
         self.bytes = 0
         self._stop = False
@@ -218,18 +270,20 @@ class CatchUp:
             return False
         return self.connected.is_set() or time.monotonic() < self.deadline
 
-    def finish(self, timeout: float) -> None:
+    def finish(self, timeout: float) -> str | None:
         """Wait (up to ``timeout``) for the stream's end (the donor left its generation), then
         stop the receiver and wait until it has: it never touches the state after this returns.
-        Raises :class:`ReplicaDivergence` if the replay ended elsewhere than the donor."""
+        Returns why the state it loaded is unverified (None: verified, or nothing was loaded):
+        the caller must then treat this member as fresh, to be healed from a peer."""
         if not self.ended.wait(timeout if self.connected.is_set() else 0.0):
             self._stop = True
             if self._link is not None:
                 self._link.close()
         self._thread.join()  # at most one load or replay more: it checks _stop between them
         self.server.close()
-        if self.diverged:
-            raise ReplicaDivergence(self.diverged)
+        if not self.loaded or self.verified:
+            return None
+        return self.mismatch or f"the stream ended before its digest ({self.error or 'stopped'})"
 
     def _receive(self) -> None:
         job = self.job
@@ -263,14 +317,16 @@ class CatchUp:
                      job.member_id, job.next_step, self.bytes)
             params, buffers = _params(job), list(job.model.buffers())
             while not self._stop:
-                header = torch.zeros(4, dtype=torch.int64)
+                header = torch.zeros(5, dtype=torch.int64)
                 link.recv(header, tag=TAG_RECORD, what="catch-up record")
-                kind, index, value, pending = header.tolist()
+                kind, index, value, pending, extra = header.tolist()
                 if kind == END:
-                    self._check(index, value)
+                    self._check(link, index, at_boundary=bool(value))
                     break
                 mask = torch.zeros(len(params), dtype=torch.uint8)
                 link.recv(mask, tag=TAG_MASK, what="catch-up record")
+                hypers = torch.empty(extra, dtype=torch.uint8)
+                link.recv(hypers, tag=TAG_HYPERS, what="catch-up hyper-parameters")
                 grads = []
                 for p, present in zip(params, mask.tolist()):
                     grad = None
@@ -285,10 +341,10 @@ class CatchUp:
                     values.append(value)
                 if index != job.next_step:
                     raise LinkBroken(f"the donor sent step {index}, this member is at step {job.next_step}")
-                replay(job, index, value, grads, values)
+                replay(job, index, value, grads, values, safe_loads(hypers.numpy().tobytes()))
                 self.replayed += 1
                 self.caught_up = self.caught_up or pending == 0
-        except (LinkBroken, OSError, socket.timeout) as exc:
+        except (LinkBroken, OSError, socket.timeout, pickle.UnpicklingError) as exc:
             self.error = str(exc)
             log.info("%s: catching up stopped (%s); the heal brings it up to date", job.member_id, exc)
         finally:
@@ -296,21 +352,38 @@ class CatchUp:
                 self._link.close()
             self.server.close()
             job._events.emit("catch_up", member=job.member_id, loaded=self.loaded, replayed=self.replayed, step=job.next_step,
-                             bytes=self.bytes, seconds=round(time.monotonic() - started, 3), error=self.error)
+                             bytes=self.bytes, seconds=round(time.monotonic() - started, 3), error=self.error,
+                             verified=self.verified, mismatch=self.mismatch)
             self.ended.set()
 
-    def _check(self, next_step: int, digest: int) -> None:
+    def _check(self, link: StreamLink, next_step: int, at_boundary: bool) -> None:
+        """The donor's end: this member must stand at its step with its whole state's digest
+        (each side reads its own at the same time; the donor's comes after)."""
         job = self.job
         if next_step != job.next_step:
             raise LinkBroken(f"the donor ended at step {next_step}, this member replayed to step {job.next_step}")
-        if digest >= 0 and params_digest(job) != digest:
-            self.diverged = (f"{job.member_id}: its parameters after catching up to step {job.next_step} differ from its"
-                             " donor's; it ends and starts afresh")
+        mine = state_digest(job).value()
+        digest = torch.zeros(1, dtype=torch.int64)
+        link.recv(digest, tag=TAG_DIGEST, what="catch-up digest")
+        if mine == int(digest):
+            self.verified = True
+        elif at_boundary:
+            self.mismatch = (f"the state replayed to step {job.next_step} differs from its donor's: the loop changes"
+                             " the training state outside the optimizer's and the scheduler's steps")
+        else:
+            self.error = "the donor's generation broke mid-step: its state there may differ from a replay's"
 
 
-def replay(job: CatchingUpJob, index: int, generation: int, grads: list[torch.Tensor | None], buffers: list[torch.Tensor]) -> None:
-    """Apply step ``index`` as its commit did (:meth:`unbroken.worker.step.Step.commit`):
-    the reduced gradients through the optimizer and the scheduler, then the synced buffers."""
+def replay(job: CatchingUpJob, index: int, generation: int, grads: list[torch.Tensor | None], buffers: list[torch.Tensor],
+           hypers: list[dict[str, Any]] | None = None) -> None:
+    """Apply step ``index`` as its commit did (:meth:`unbroken.worker.step.Step.commit`): the
+    param_groups' hyper-parameters it used (``hypers``), the reduced gradients through the
+    optimizer and the scheduler, then the synced buffers."""
+    if hypers is not None:
+        if len(hypers) != len(job.optimizer.param_groups):
+            raise LinkBroken(f"the donor's optimizer has {len(hypers)} param_groups, this member's {len(job.optimizer.param_groups)}")
+        for group, values in zip(job.optimizer.param_groups, hypers):
+            group.update(values)
     for p, grad in zip(_params(job), grads):
         p.grad = None if grad is None else grad.to(p.device)
     job._committing = True

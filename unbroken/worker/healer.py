@@ -13,11 +13,13 @@ state is sent at all.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unbroken.errors import EXIT_RESTART_FRESH
 from unbroken.worker import heal_plan, healing, state_digests
 from unbroken.worker.randomness import seed_member
 from unbroken.worker.warm_state import adopt_parameters
@@ -50,15 +52,29 @@ class Healer:
                 group.wait_flag("resume-read", "waiting for a checkpoint to be read")
             statuses = self._exchange_status(group)
         plan = heal_plan.plan(statuses)
+        if job._unverified is not None and job.fresh and plan.source == group.rank:
+            self._restart_afresh(job._unverified)
         if plan.receivers and all(fresh for _, fresh, _ in statuses) and self._same_fresh_state(group):
             # Every member built its model from the same seed: nothing to copy (the start of a job)
             job.fresh = False
             log.info("%s: every member starts from the same state; no heal needed", job.member_id)
         elif plan.receivers:
             self._transfer(group, plan)
+        if not job.fresh:
+            job._unverified = None  # healed from a peer
         job._warm = None  # unused if no heal came (the whole job started afresh): let it go
         # Healing copied one member's RNG states to the others: give every member its own.
         seed_member(job.plan.seed, job.next_step, group.rank)
+
+    def _restart_afresh(self, why: str) -> None:
+        """This member's state is unverified and no peer holds a live one: it must not become the
+        job's state (DESIGN: Fast paths). It ends, and its launcher restarts it with the state its
+        script builds; the others form without it and go on from the newest durable state."""
+        job = self.job
+        print(f"unbroken: {job.member_id}: its state is unverified ({why}) and no peer holds a live one;"
+              " it restarts afresh", file=sys.stderr, flush=True)
+        job._stop(finished=False)
+        raise SystemExit(EXIT_RESTART_FRESH)
 
     def _exchange_status(self, group: Any) -> list[tuple[int, bool, int]]:
         job = self.job

@@ -112,6 +112,7 @@ class CatchingUpJob(Protocol):
     next_step: int
     lineage: list[int]
     fresh: bool
+    _unverified: str | None
     _digest: int
     _committing: bool
     _reducer: Any  # a GradientReducer, or None alone
@@ -167,6 +168,7 @@ class HealingJob(Protocol):
     model: torch.nn.Module
     next_step: int
     fresh: bool
+    _unverified: str | None
     _digest: int
     _device: torch.device
     _group: Any  # a replica group's GroupMember, or None
@@ -181,6 +183,8 @@ class HealingJob(Protocol):
     def _load(self, state: dict[str, Any]) -> None: ...
 
     def _tick(self) -> None: ...
+
+    def _stop(self, finished: bool) -> None: ...
 
 
 class CheckpointingJob(Protocol):

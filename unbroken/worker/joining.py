@@ -195,7 +195,9 @@ class Joiner:
                 reply = self._ask_to_join(catch.address if catch is not None and catch.wanted() else None)
                 if catch is not None and reply["status"] in ("formed", "finished", "failed"):
                     with self.client.paused_joining():
-                        catch.finish(self.job.settings.collective_timeout)  # the rest of the stream, before any heal
+                        unverified = catch.finish(self.job.settings.collective_timeout)  # the rest of the stream, before any heal
+                    if unverified is not None:
+                        self._replay_unverified(unverified, catch.mismatch is not None)
                     catch = None
                 if reply["status"] == "finished":
                     self._relay(reply)
@@ -211,6 +213,22 @@ class Joiner:
                 with self.client.paused_joining():
                     if self._form(self._relay(reply)):
                         return True
+
+    def _replay_unverified(self, reason: str, loop_not_replayable: bool) -> None:
+        """The catch-up's replay could not be checked against the donor (DESIGN: Fast paths): this
+        member counts as fresh, so the heal copies the whole state from a peer; if no peer holds
+        live state, it never becomes a source (:meth:`~unbroken.worker.healer.Healer.heal`). A
+        replay whose digest differed at a step boundary turns catch-up off for the job."""
+        job = self.job
+        job.fresh = True
+        job._unverified = reason
+        if not loop_not_replayable:
+            log.info("%s: its catch-up is unverified (%s); the heal brings it up to date", job.member_id, reason)
+            return
+        try:
+            self.client.post("/v1/catch_up_off", member=job.member_id, reason=reason[:500])
+        except UnbrokenError as exc:
+            log.warning("could not tell the coordinator to stop catch-ups: %s", exc)
 
     def _warm_before_joining(self, group: Any) -> None:
         """A fresh process joining a running job: allocate and touch its optimizer state now, while
@@ -373,7 +391,7 @@ class Joiner:
 
     def abandon(self, reason: str) -> None:
         """Leave a broken generation: report it, and park its group (work may be pending on it)."""
-        self.job._donor.end(with_digest=False)
+        self.job._donor.end(at_boundary=False)
         if self.group is not None:
             self.report_failure(self.group.number, reason)
             self.graveyard.park(self.group)
@@ -381,14 +399,14 @@ class Joiner:
 
     def close_group(self) -> None:
         """Leave a healthy generation at a step boundary (someone waits to join)."""
-        self.job._donor.end(with_digest=True)
+        self.job._donor.end(at_boundary=True)
         if self.group is not None:
             self.group.pg, self.group.side_groups = None, []  # nothing is pending on them: safe to destroy
             self.group = None
 
     def leave(self, finished: bool) -> None:
         """Tell the coordinator that this member leaves, and stop heartbeating."""
-        self.job._donor.end(with_digest=False)
+        self.job._donor.end(at_boundary=False, drain=True)
         if self.client is not None:
             try:
                 self.client.post("/v1/leave", member=self.job.member_id, finished=finished, step=self.job.next_step,

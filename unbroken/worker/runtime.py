@@ -175,6 +175,9 @@ class Job:
         self.lineage: list[int] = []
         self._digest = 0  # state_digests.lineage_digest(self.lineage), kept up to date
         self.fresh = True
+        self._unverified: str | None = None
+        """Why this member's state is unverified (a catch-up that could not be checked): it is
+        fresh, and must never be a heal's source (:class:`~unbroken.worker.healer.Healer`)."""
         self.generation = 0
         self.member_index = 0
         self.member_count = 1

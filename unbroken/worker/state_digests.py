@@ -65,3 +65,77 @@ def state_digest(state: Any) -> int:
 
     walk(state)
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+def tensor_words(tensor: torch.Tensor) -> int:
+    """A tensor's 64-bit words summed (wrapping), where it lives, at memory speed: one pass, no
+    host copy of a GPU tensor. Any view is read as its own bytes (a view at an odd storage offset
+    or of a length not a multiple of 8 is copied into an aligned buffer first)."""
+    flat = tensor.detach().reshape(-1)
+    if not flat.numel():
+        return 0
+    raw = flat.contiguous().view(torch.uint8)
+    if raw.numel() % 8 or raw.data_ptr() % 8:
+        padded = raw.new_zeros((raw.numel() + 7) // 8 * 8)
+        padded[: raw.numel()] = raw
+        raw = padded
+    return int(raw.view(torch.int64).sum().item())
+
+
+class WholeStateDigest:
+    """A digest of a whole training state (parameters, buffers, optimizer state and its
+    param_groups' hyper-parameters, scheduler, scaler, extra state, the runtime's record; not
+    :data:`_NOT_STATE`), taken in two halves so that the expensive one can leave the critical path.
+
+    :meth:`__init__` walks the state at once: every non-tensor value and every tensor that
+    ``deferred(path)`` does not name (buffers: a forward pass changes them) is read now. The named
+    tensors (parameters, the optimizer's moments: only an optimizer step changes them) are read by
+    :meth:`value`, which may run on another thread, any time before they next change. Both halves
+    read tensors by :func:`tensor_words` (memory speed); two members with equal digests hold the
+    same state up to the word sums' collisions: a check of a replay, not a defence against an
+    adversary."""
+
+    def __init__(self, state: Any, deferred: Any = lambda path: False) -> None:
+        self._parts: list[Any] = []
+
+        def walk(value: Any, path: tuple) -> None:
+            if isinstance(value, torch.Tensor):
+                self._parts.append(f"T{value.dtype}{tuple(value.shape)}".encode())
+                self._parts.append(value if deferred(path) else tensor_words(value))
+            elif isinstance(value, dict):
+                self._parts.append(b"D")
+                for key in sorted(value, key=repr):
+                    if key not in _NOT_STATE:
+                        self._parts.append(repr(key).encode())
+                        walk(value[key], path + (key,))
+            elif isinstance(value, (list, tuple)):
+                self._parts.append(b"L")
+                for index, item in enumerate(value):
+                    walk(item, path + (index,))
+            else:
+                self._parts.append(repr(value).encode())
+
+        walk(state, ())
+
+    def value(self) -> int:
+        """The 63-bit digest (reads the deferred tensors now)."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=8)
+        for part in self._parts:
+            if isinstance(part, torch.Tensor):
+                part = tensor_words(part)
+            h.update(part if isinstance(part, bytes) else part.to_bytes(8, "little", signed=True))
+        self._parts = []
+        return int.from_bytes(h.digest(), "little") >> 1
+
+
+def training_state_digest(state: dict[str, Any], parameter_names: set[str]) -> WholeStateDigest:
+    """:class:`WholeStateDigest` of a state of :func:`~unbroken.worker.job_state.gather_state`,
+    deferring the tensors only an optimizer step changes: the model's parameters (named
+    ``parameter_names`` in its ``state_dict``) and the optimizer's per-parameter state."""
+
+    def deferred(path: tuple) -> bool:
+        return (len(path) == 2 and path[0] == "model" and path[1] in parameter_names) or path[:2] == ("optimizer", "state")
+
+    return WholeStateDigest(state, deferred)

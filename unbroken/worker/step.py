@@ -344,7 +344,12 @@ class Step:
                 self._discard()
                 return False
         if job._reducer is not None:
-            job._donor.before_step(self)  # a newcomer catching up from this member gets this step too
+            try:
+                job._donor.before_step(self)  # a newcomer catching up from this member gets this step too
+            except GenerationFailed as exc:  # fail@donate: this member leaves the generation uncommitted
+                self.failed, self.error = True, exc
+                self._discard()
+                return False
         job._committing = True  # the optimizer's step and zero_grad are this method's to call
         try:
             if job.scaler is None:
