@@ -49,6 +49,10 @@ parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cu
 parser.add_argument("--amp", choices=["fp16", "bf16"], default=None, help="a float32 model whose forward runs under autocast; fp16 implies --scaler")
 parser.add_argument("--leader-says", action="store_true", help="the leader prints 'LEADER step N' after each commit")
 parser.add_argument("--stop-at", type=int, default=None, help="the leader calls job.stop() after committing this step")
+parser.add_argument("--stop-once", action="store_true", help="with --stop-at: the rule fires at that step only")
+parser.add_argument("--die-after-stop", action="store_true", help="with --stop-at: the member that called job.stop() SIGKILLs itself at once")
+parser.add_argument("--break-alone-at", type=int, default=None, help="the leader alone leaves the loop with break after committing this step")
+parser.add_argument("--raise-after-commit", type=int, default=None, help="every member raises after committing this step")
 parser.add_argument("--break-at", type=int, default=None, help="every member leaves the loop with break after committing this step")
 parser.add_argument("--break-before", type=int, default=None, help="every member leaves the loop with break at the top of this step")
 parser.add_argument("--half", choices=["float16", "bfloat16"], default=None, help="a model in this dtype, trained with SGD (with --token-loss)")
@@ -252,10 +256,16 @@ for step in job.steps(total=args.steps):
         log_on_rank_zero(step, synced)
     if args.leader_says and step.committed and job.is_leader:
         print(f"LEADER step {step.index}", flush=True)
-    if args.stop_at is not None and step.committed and step.index >= args.stop_at and job.is_leader:
+    if args.stop_at is not None and step.committed and (step.index == args.stop_at if args.stop_once else step.index >= args.stop_at) and job.is_leader:
         job.stop(f"early stop after step {step.index}")
+        if args.die_after_stop and os.environ.get("UNBROKEN_MEMBER_ID"):
+            os.kill(os.getpid(), 9)  # the stop must outlive the member that asked for it
     if args.break_at is not None and step.committed and step.index == args.break_at:
         break
+    if args.break_alone_at is not None and step.committed and step.index == args.break_alone_at and job.is_leader:
+        break
+    if args.raise_after_commit is not None and step.committed and step.index == args.raise_after_commit:
+        raise RuntimeError(f"deliberate failure after step {step.index}'s commit")
     if args.eval_every and step.committed and (step.index + 1) % args.eval_every == 0:
         ran = []
 

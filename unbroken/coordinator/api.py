@@ -150,6 +150,7 @@ class CoordinatorApi(LineWatch):
                         "size": len(current.members),
                         "rank": rank,
                         "prefix": current.prefix,
+                        **({"stop": current.stop} if current.stop else {}),
                         "store_host": self.settings.advertise_host or self.settings.host,
                         "store_port": self.store_port,
                         **({"coordinators": self._coordinators} if self._coordinators else {}),
@@ -241,6 +242,34 @@ class CoordinatorApi(LineWatch):
             # a peer's process or host may be gone: the kernel's closing of its connection
             # reaches this loop within milliseconds of the failure the report describes
             asyncio.get_running_loop().call_later(0.02, self._check_generation_connections)
+        return self._reply({"ok": True})
+
+    async def _stop(self, request):
+        from aiohttp import web
+
+        body = await self._json(request)
+        step = body.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise web.HTTPBadRequest(text="expected {member, step: a non-negative integer, reason}")
+        reason = str(body.get("reason") or "stopped by the script")
+        if self.state.request_stop(step, reason):
+            self.events.emit("stop_requested", member=body["member"], step=step, reason=reason[:500])
+            self._bump()
+        return self._reply({"ok": True})
+
+    async def _diverged(self, request):
+        """A member found the replicas different (:class:`~unbroken.errors.ReplicaDivergence`): the
+        protocol was broken somewhere, and no member's model can be vouched for. The job fails
+        with the reason (recorded in etcd too): nobody re-forms, restarts or finishes from it."""
+        body = await self._json(request)
+        reason = f"replicas diverged: {str(body.get('reason') or 'members hold different parameters')[:500]}"
+        if not self.state.failed:
+            self.state.failed = reason
+            self.state.version += 1
+            log.error("job failed: %s", reason)
+            self.events.emit("job_failed", reason=reason, member=body["member"])
+            self._record_outcome_once()
+            self._bump()
         return self._reply({"ok": True})
 
     async def _catch_up_off(self, request):

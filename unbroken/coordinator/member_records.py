@@ -87,6 +87,10 @@ class Generation:
     tag: str = ""
     """A part of the store prefix derived from the job's token (:func:`unbroken.store_keys.key_tag`):
     without the token, nobody can name this generation's keys."""
+    stop: dict | None = None
+    """The job's stop request when this generation formed (``{"step", "reason"}``: no step at or
+    after ``step`` is trained), or None: every member of the generation learns the same one from
+    its join reply, so all end at the same boundary (:meth:`Membership.request_stop`)."""
 
     @cached_property
     def ranks(self) -> dict[str, int]:

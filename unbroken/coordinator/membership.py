@@ -100,6 +100,10 @@ class Membership(Liveness, MemberRequests):
     set: only their long polls need waking, unless the view shared by all changed."""
     version: int = 0
     """Counts changes of the state; a view computed at one version holds until it moves."""
+    stop_request: dict | None = None
+    """A member's ``job.stop(reason)``, durable here once its call returned: ``{"step", "reason"}``
+    (the earliest asked for). Every generation formed from then on carries it
+    (:attr:`Generation.stop`), so that the stop outlives the member that asked for it."""
     catch_up_off: str | None = None
     """Why newcomers no longer catch up from a donor (a replay once failed to verify: the job's
     loop changes state outside the optimizer's and scheduler's steps); None while they may.
@@ -281,7 +285,8 @@ class Membership(Liveness, MemberRequests):
         if not decision.form:
             return None, decision
         number = max((self.current.number + 1) if self.current is not None else 1, self.min_generation + 1)
-        generation = Generation(number, decision.members, formed_at=now, tag=key_tag(self.store_token, f"gen{number}"))
+        generation = Generation(number, decision.members, formed_at=now, tag=key_tag(self.store_token, f"gen{number}"),
+                                stop=self.stop_request)
         for member_id in decision.members:
             member = self.members[member_id]
             member.waiting_since = None
@@ -334,6 +339,15 @@ class Membership(Liveness, MemberRequests):
             self._catching[member.id] = donor
             self._donating[donor] = member.id
             self.changed_members.add(donor)
+        self.version += 1
+        return True
+
+    def request_stop(self, step: int, reason: str) -> bool:
+        """Record a member's stop request: no step at or after ``step`` is trained (the earliest
+        request wins). True if it changed the request."""
+        if self.stop_request is not None and self.stop_request["step"] <= step:
+            return False
+        self.stop_request = {"step": int(step), "reason": str(reason)[:500]}
         self.version += 1
         return True
 
@@ -395,6 +409,7 @@ class Membership(Liveness, MemberRequests):
             "rank": current.ranks.get(member_id) if current else None,
             "size": len(current.members) if current else 0,
             "prefix": current.prefix if current else None,
+            **({"stop": current.stop} if current is not None and current.stop else {}),
             "broken": self.generation_state is GenerationState.BROKEN,
             "reconfigure": self.reconfigure_wanted(),
             "state": member.state.value if member else "unknown",

@@ -25,6 +25,10 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
                             fence, finished, failed}`` as soon as it differs from ``seen``.
 ``POST /v1/failure``        ``{member, generation, error}``: a collective of that generation failed.
 ``POST /v1/exit``           ``{member, exitcode, reason}``: a launcher saw a worker process exit.
+``POST /v1/stop``           ``{member, step, reason}``: ``job.stop(reason)``, durable before it returns: no
+                            step at or after ``step`` is trained; every generation formed from then on
+                            carries it in its join replies (``stop``).
+``POST /v1/diverged``       ``{member, reason}``: a replica check found different parameters: the job fails.
 ``POST /v1/catch_up_off``   ``{member, reason}``: a catch-up's replay differed from its donor's state;
                             newcomers are healed from now on.
 ``POST /v1/leave``          ``{member, finished, step}``: a member left (``finished``: job done).
@@ -184,6 +188,8 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
                 web.post("/v1/failure", self._failure),
                 web.post("/v1/exit", self._exit),
                 web.post("/v1/catch_up_off", self._catch_up_off),
+                web.post("/v1/stop", self._stop),
+                web.post("/v1/diverged", self._diverged),
                 web.post("/v1/leave", self._leave),
                 web.post("/v1/quarantine", self._quarantine),
                 web.get("/v1/status", self._status),
@@ -328,14 +334,14 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
     def _note_state_lost(self, generation: Any) -> None:
         """Say so when a generation forms behind the job (:mod:`unbroken.coordinator.state_loss`):
         it trains from the best state left (a checkpoint's, or the initial one, or a newcomer's
-        that caught up part way) and commits the steps after it a second time; the `state_lost`
-        event names them."""
+        whose catch-up was verified part way) and commits the steps after it a second time; the
+        `state_lost` event names them, and the console, the report and the launcher's last line say so."""
         loss = state_loss(self.state, generation)
         if loss is None:
             return
         message = (f"generation {generation.number} forms at step {loss.step}: {loss.reason};"
                    " it goes on from a checkpoint if there is one, else from the best state left")
-        log.warning("%s", message)
+        log.info("%s", message)  # the console says it in the launcher's voice, from the event (observe.state_loss_text)
         self.events.emit("state_lost", generation=generation.number, step=loss.step, lost=loss.lost, reason=loss.reason)
 
     async def _watch_deadlines(self) -> None:

@@ -128,6 +128,10 @@ def _notice(event: dict[str, Any]) -> str | None:
         return f"{event.get('source', '').removeprefix('worker:')}: resumed from step {event.get('step')} of {event.get('location')}"
     if kind == "checkpoint_skipped":
         return f"checkpoint of step {event.get('step')} skipped: the write of step {event.get('writing')} is still running"
+    if kind == "state_lost":
+        from unbroken.observe.incidents import state_loss_text
+
+        return state_loss_text(event)
     if kind == "catch_up_off":
         return (f"{event.get('member')}'s catch-up did not match its donor ({event.get('reason')}); rejoining members"
                 " are healed from a peer from now on")

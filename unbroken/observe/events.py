@@ -28,7 +28,7 @@ KINDS = (
     "heal", "step", "replicas", "finished", "job_failed", "fault", "checkpoint", "checkpoint_interval", "resume",
     "checkpoint_skipped", "refused", "leader", "leader_lost",
     "quarantine", "quarantine_end", "coordinator_stall", "state_lost", "straggler", "rebalanced", "evicted",
-    "donation", "catch_up", "catch_up_off",
+    "donation", "catch_up", "catch_up_off", "stop_requested",
 )
 
 

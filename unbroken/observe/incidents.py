@@ -118,3 +118,15 @@ def incidents(events: list[dict[str, Any]], steps: list[dict[str, Any]], median_
         found.append(incident)
         previous_end = end
     return found
+
+
+def state_loss_text(event: dict[str, Any], checkpointing: bool | None = None) -> str:
+    """What a ``state_lost`` event means for the user, in one sentence: which steps are trained
+    again and why; with ``checkpointing`` False, what to do about it next time."""
+    start, lost = event.get("step"), event.get("lost")
+    again = f"steps {start}-{lost - 1}" if isinstance(start, int) and isinstance(lost, int) and lost - 1 > start else f"from step {start}"
+    text = (f"progress lost: generation {event.get('generation')} went on from step {start} though the job had reached step"
+            f" {lost} ({event.get('reason')}); {again} are trained again")
+    if checkpointing is False:
+        text += ": no checkpoint was configured; use --checkpoint-dir"
+    return text

@@ -56,6 +56,8 @@ def print_table(figures: dict[str, Any], file=None) -> None:
     f = figures
     state = "failed: " + f["job_failed"] if f["job_failed"] else ("finished" if f["finished"] else "not finished")
     table.add_row("job", state, "")
+    for lost in f.get("progress_lost") or []:
+        table.add_row("progress lost", lost.split(": ", 1)[1] if ": " in lost else lost, "")
     table.add_row("wall time", _seconds(f["wall_seconds"]), "first to last event")
     table.add_row("startup", _seconds(f["startup_seconds"]), "first event to first commit")
     table.add_row("steps committed", str(f["steps_committed"]), f"next step {f['next_step']}")

@@ -44,6 +44,7 @@ class SteppingJob(Protocol):
     scheduler: Any
     scaler: Any
     stop_reason: str | None
+    _durable_stop: dict | None
     _reducer: Any  # a GradientReducer, or None alone
     _group: Any  # a replica group's GroupMember, or None
     _device: torch.device
@@ -139,6 +140,7 @@ class JoiningJob(CatchingUpJob, Guarded, Protocol):
     member_count: int
     total: int | None
     stop_reason: str | None
+    _durable_stop: dict | None
     plan: DataPlan
     _ticks: int
     _generation_floor: int

@@ -126,6 +126,7 @@ def formed_from_view(
         "size": view["size"],
         "rank": view["rank"],
         "prefix": view["prefix"],
+        **({"stop": view["stop"]} if view.get("stop") else {}),
         "store_host": host,
         "store_port": port,
     }

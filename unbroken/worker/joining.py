@@ -214,6 +214,27 @@ class Joiner:
                     if self._form(self._relay(reply)):
                         return True
 
+    def report_divergence(self, reason: str) -> None:
+        """The replicas differ: the job fails, recorded by the coordinator (and etcd), so that no
+        member re-forms alone, passes its own check and finishes with a model nobody can vouch for."""
+        if self.client is None:
+            return  # a process of a replica group other than 0: process 0 found the same
+        try:
+            self.client.post("/v1/diverged", member=self.job.member_id, reason=reason[:500])
+        except UnbrokenError as exc:
+            log.warning("%s: could not report the divergence: %s", self.job.member_id, exc)
+
+    def request_stop(self, step: int, reason: str) -> None:
+        """Make ``job.stop(reason)`` durable before it returns: the coordinator carries it into
+        every generation formed from now on, so it outlives this member (DESIGN: Fast paths)."""
+        if self.client is None:
+            return  # a process of a replica group other than 0: its vote carries the stop to process 0
+        try:
+            self.client.post("/v1/stop", member=self.job.member_id, step=step, reason=reason[:500])
+        except UnbrokenError as exc:
+            log.warning("%s: could not record the stop with the coordinator (%s); it travels with the next step only",
+                        self.job.member_id, exc)
+
     def _replay_unverified(self, reason: str, loop_not_replayable: bool) -> None:
         """The catch-up's replay could not be checked against the donor (DESIGN: Fast paths): this
         member counts as fresh, so the heal copies the whole state from a peer; if no peer holds
@@ -316,6 +337,8 @@ class Joiner:
         number = reply["generation"]
         job.generation = number
         self._incarnation = reply.get("incarnation")
+        if isinstance(reply.get("stop"), dict):  # a member's job.stop(), durable: it may have died since
+            job._durable_stop = reply["stop"]
         group = generation_group(reply, self.client, job.member_id, lambda n=number: job._abandon_reason(n), self.wake,
                                  job.settings.collective_timeout, self._blocked)
         error: GenerationFailed | None = None

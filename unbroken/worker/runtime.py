@@ -41,7 +41,7 @@ from unbroken.worker import devices, job_setup, mixed_precision, state_digests, 
 from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
-from unbroken.errors import ConfigError
+from unbroken.errors import ConfigError, ReplicaDivergence
 from unbroken.worker.healer import Healer
 from unbroken.worker.job_state import TrainingObjects, gather_state, load_state
 from unbroken.worker.joining import Joiner
@@ -183,6 +183,9 @@ class Job:
         self.member_count = 1
         self.replica_hash: str | None = None
         self.total: int | None = None
+        self._durable_stop: dict | None = None
+        """The job's stop request as the coordinator carried it into this member's generation
+        (``{"step", "reason"}``): every member of a generation holds the same one."""
         self.stop_reason: str | None = None
         """Why the job ends before ``total`` (:meth:`stop`, or the loop left with ``break``)."""
 
@@ -234,6 +237,8 @@ class Job:
         boundary."""
         if self.stop_reason is None:
             self.stop_reason = str(reason)
+            if self.distributed and self._joiner.client is not None:
+                self._joiner.request_stop(self.next_step, self.stop_reason)
 
     def steps(self, total: int) -> Iterator[Step]:
         """Yield steps ``next_step .. total-1``; each must end in :meth:`Step.commit` (done for you
@@ -263,8 +268,12 @@ class Job:
     def _verify_replicas(self) -> bool:
         """Compare every member's parameters and buffers (:func:`verify_replicas`); False if the
         exchange failed and the generation was abandoned."""
-        found = verify_replicas(self.model, self._joiner.group, self._abandon, self._events, self.member_id,
-                                self.next_step, self.generation)
+        try:
+            found = verify_replicas(self.model, self._joiner.group, self._abandon, self._events, self.member_id,
+                                    self.next_step, self.generation)
+        except ReplicaDivergence as exc:
+            self._joiner.report_divergence(str(exc))  # a failed job, before any member can re-form from it
+            raise
         if found is None:
             return False
         self.replica_hash = found

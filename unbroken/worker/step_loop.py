@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Iterator
 
 from unbroken.errors import GenerationFailed
+from unbroken.worker import loop_exit
 from unbroken.worker.step import Step
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def steps_alone(job: LoopingJob, total: int) -> Iterator[Step]:
             except GeneratorExit:
                 step.untrack()
                 job._loop_guard.in_body = False
-                if step.committed or step.untouched:  # a break at a boundary: the job ends here, as at a normal end
+                if step.untouched or (step.committed and not loop_exit.left_by_exception()):  # a break at a boundary: the job ends here, as at a normal end
                     if step.committed:  # (an untouched step may still be used: the test idiom next(iter(job.steps())))
                         job.stop(f"the script left the loop after step {step.index}")
                     job._checkpointing.final()
@@ -61,6 +62,12 @@ def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
                     finished = True
                     break
                 continue
+            durable = job._durable_stop
+            if durable is not None and job.next_step >= durable["step"]:
+                # a member's stop outlived it: every member of this generation learnt the same
+                # request from its formation, and ends at this same boundary
+                job.stop_reason = job.stop_reason or str(durable["reason"])
+                stopping = True
             if job.next_step >= total or (job.stop_reason is not None and stopping):
                 if _finish(job):
                     finished = True
@@ -85,12 +92,17 @@ def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
             except GeneratorExit:
                 step.untrack()
                 job._loop_guard.in_body = False
-                # The loop body left: a break, or an exception. After the step's commit, when
-                # every member left after the same step, the job ends here as at a normal end;
-                # otherwise this member leaves unfinished, as it always did.
-                if (step.committed or step.untouched) and not job._left_on_error and _left_together(job):
-                    finished = True
-                    return
+                # The loop body left: a break, or an exception (loop_exit tells them apart). An
+                # exception is a failure: this member leaves unfinished and its process fails.
+                # A break after the step's commit (or at the top of a step) ends the job at this
+                # boundary: together with the others when every member broke, as at a normal
+                # end; alone, as job.stop() would, for every member.
+                job._left_on_error = job._left_on_error or loop_exit.left_by_exception()
+                if (step.committed or step.untouched) and not job._left_on_error:
+                    if _left_together(job):
+                        finished = True
+                        return
+                    job.stop(f"the script left the loop after step {job.next_step - 1} on {job.member_id} alone")
                 raise
             job._loop_guard.in_body = False
             step.untrack()
@@ -121,12 +133,13 @@ def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
 
 def _left_together(job: LoopingJob) -> bool:
     """The loop was left at a step boundary (a ``break`` after a step's commit, or at the top
-    of the next step before any micro-batch; or an exception there): True once every member
+    of the next step before any micro-batch): True once every member
     of the generation left at the same boundary and the job ended there together, as at a
     normal end. Who else left is counted in the generation's store, never by a collective: a
     peer that went on waits in the next allreduce, and a collective it does not expect would
-    mismatch its own. False when this member left alone (within a few seconds): it then
-    leaves the job unfinished, as before."""
+    mismatch its own. False when this member left alone (within a few seconds): the caller
+    then stops the job for every member at this boundary (a durable :meth:`~unbroken.Job.stop`)
+    and this member leaves."""
     group = job._joiner.group
     if group is None:
         return False
@@ -136,8 +149,9 @@ def _left_together(job: LoopingJob) -> bool:
         together = group.all_arrive(f"left/{job.next_step}", bound)
     if not together:
         print(f"unbroken: {job.member_id}: left the training loop after step {last}, but not every member did"
-              f" within {bound:.0f} s; this member leaves the job unfinished (to stop the job from one member, call"
-              " job.stop(reason) and let the loop end)", file=sys.stderr, flush=True)
+              f" within {bound:.0f} s; a break on one member stops the job for every member: the others end after"
+              f" step {last} too (to stop without the wait, call job.stop(reason) and let the loop end)",
+              file=sys.stderr, flush=True)
         return False
     job.stop(f"the script left the loop after step {last}")
     return _finish(job)

@@ -86,3 +86,27 @@ def test_a_join_asks_for_a_shorter_hold_than_the_coordinators_and_gets_its_answe
         assert c.state.members["new"].catch_up == "127.0.0.1:9"
     finally:
         c.stop()
+
+
+def test_once_a_replay_failed_to_verify_no_newcomer_is_named_a_donor_and_those_waiting_are_healed():
+    m = _running("a", "b", "c")
+    m.join("new", "node", pid=9, step=0, now=1.0, catch_up="10.0.0.9:4000")
+    assert m.view_for("c")["donate"]["member"] == "new" and m.catching_up() == 1
+    assert m.stop_catch_ups("the state replayed to step 7 differs from its donor's")
+    assert not m.stop_catch_ups("again")  # once
+    assert "donate" not in m.view_for("c") and m.catching_up() == 0 and m.reconfigure_wanted()
+    m.join("later", "node", pid=10, step=0, now=2.0, catch_up="10.0.0.10:4000")
+    assert m.members["later"].catch_up is None and not any("donate" in m.view_for(x) for x in ("a", "b", "c"))
+
+
+def test_the_coordinator_turns_catch_ups_off_on_a_members_report_and_says_so():
+    from unbroken.coordinator.client import CoordinatorClient
+    from unbroken.coordinator.server import Coordinator, CoordinatorSettings
+
+    c = Coordinator(CoordinatorSettings(), MembershipSettings(heartbeat_timeout=60.0, expected_members=1)).start_in_thread()
+    try:
+        client = CoordinatorClient(f"127.0.0.1:{c.port}", timeout=5.0)
+        client.post("/v1/catch_up_off", member="a", reason="differs")
+        assert c.state.catch_up_off == "differs"
+    finally:
+        c.stop()
