@@ -53,6 +53,9 @@ parser.add_argument("--stop-once", action="store_true", help="with --stop-at: th
 parser.add_argument("--die-after-stop", action="store_true", help="with --stop-at: the member that called job.stop() SIGKILLs itself at once")
 parser.add_argument("--break-alone-at", type=int, default=None, help="the leader alone leaves the loop with break after committing this step")
 parser.add_argument("--raise-after-commit", type=int, default=None, help="every member raises after committing this step")
+parser.add_argument("--eval-raises", action="store_true", help="the evaluation raises (on the leader, where it runs)")
+parser.add_argument("--eval-collective", action="store_true", help="the evaluation makes a torch.distributed all_reduce")
+parser.add_argument("--eval-before-loop", action="store_true", help="call job.on_leader before job.steps()")
 parser.add_argument("--break-at", type=int, default=None, help="every member leaves the loop with break after committing this step")
 parser.add_argument("--break-before", type=int, default=None, help="every member leaves the loop with break at the top of this step")
 parser.add_argument("--half", choices=["float16", "bfloat16"], default=None, help="a model in this dtype, trained with SGD (with --token-loss)")
@@ -168,6 +171,8 @@ if args.metrics_log:
     def log_on_rank_zero(step, synced):
         print(f"RZ step {step.index} mse {synced:.6f} rank {os.environ.get('RANK', '0')}", flush=True)
 my_loaders = []
+if args.eval_before_loop:
+    job.on_leader(print, "evaluating before training")
 for step in job.steps(total=args.steps):
     if args.resources:
         with open(args.resources, "a") as f:
@@ -278,6 +283,14 @@ for step in job.steps(total=args.steps):
                 time.sleep(args.eval_seconds / 2)
                 os.kill(os.getpid(), 9)  # dies inside the evaluation: the next leader runs it again
             time.sleep(args.eval_seconds)
+            if args.eval_raises:
+                with open(args.eval_log + ".raised", "a") as f:
+                    f.write(f"{at}\n")
+                raise ValueError(f"the evaluation at step {at} failed")
+            if args.eval_collective:
+                import torch.distributed as dist
+
+                dist.all_reduce(torch.zeros(1))
             with torch.no_grad():
                 return {"step": at, "loss": torch.nn.functional.mse_loss(model(x[:32].to(device)), y[:32].to(device)).item()}
 

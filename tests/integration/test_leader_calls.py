@@ -63,3 +63,34 @@ def test_when_the_leader_dies_inside_the_evaluation_the_next_leader_runs_it_agai
     later = evals[3 * EVERY - 1]  # the next evaluation reaches every member of its generation (the restarted one, if back)
     assert len(later) >= 2 and len({json.dumps(r["result"]) for r in later}) == 1, later
     assert sum(r["ran"] for r in later) == 1, later
+
+
+def _failing(tmp_path, *script_args, max_restarts="0"):
+    run_dir = str(tmp_path / "run")
+    log = str(tmp_path / "evals.jsonl")
+    run = harness.unbroken(run_dir, "--nproc-per-node", "3", "--max-restarts", max_restarts, *FAST, harness.EXACT,
+                           "--steps", str(STEPS), "--eval-every", str(EVERY), "--eval-log", log, *script_args, timeout=180)
+    assert run.code != 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
+    return run, log
+
+
+def test_an_error_in_the_leaders_function_reaches_every_member_and_it_is_never_run_again(tmp_path):
+    run, log = _failing(tmp_path, "--eval-raises")
+    with open(log + ".raised") as f:
+        assert f.read().split() == [str(EVERY - 1)]  # ran once, on the leader
+    logs = "".join(open(os.path.join(run.run_dir, "workers", f"w{i}.log")).read() for i in range(3))
+    assert "ValueError: the evaluation at step 3 failed" in logs
+    assert logs.count("LeaderCallFailed") >= 2 and "raised on the leader" in logs, logs[-3000:]
+
+
+def test_a_collective_inside_the_leaders_function_is_refused_at_once(tmp_path):
+    run, log = _failing(tmp_path, "--eval-collective")
+    assert "inside job.on_leader(evaluate)" in run.stdout + run.stderr, run.stderr[-3000:]
+    assert not run.events("failure"), run.events("failure")  # refused before anything was sent: no generation broke
+
+
+def test_on_leader_before_the_loop_is_refused_with_a_clear_error(tmp_path):
+    run, _ = _failing(tmp_path, "--eval-before-loop")
+    assert "was called before job.steps()" in run.stdout + run.stderr, run.stderr[-3000:]
+    assert "AttributeError" not in run.stdout + run.stderr

@@ -43,8 +43,9 @@ class BalanceSettings:
     """A new split is taken only if it shortens the predicted step by at least this fraction (20 %:
     a 25 % noise on every pace never moves the split, a member at half pace does within a window)."""
     flag_below: float = 0.8
-    """A member whose pace is below this fraction of the median member's for ``window`` steps is
-    flagged as a straggler."""
+    """A member whose pace estimate is below this fraction of the median member's for ``window``
+    steps in a row is flagged as a straggler (once: it stays flagged until it is back above
+    halfway to the median's pace for ``window`` steps)."""
     evict_below: float = 0.5
     """With ``mode="evict"``: a member below this fraction of the median pace ..."""
     evict_after: int = 20
@@ -111,6 +112,9 @@ class Balancer:
         """The split in force: None for the plan's equal shares."""
         self._since_change = 0
         self._slow_for = [0] * members  # steps in a row below flag_below
+        self._fast_for = [0] * members  # steps in a row back above the flag's release (flagged members)
+        self._flagged: set[int] = set()
+        self._newly: list[int] = []
         self._floor_for = [0] * members  # steps in a row below evict_below
         self.changed = False
         """True if the last :meth:`observe` changed the split."""
@@ -148,10 +152,22 @@ class Balancer:
         self._since_change += 1
         self.changed = False
         relative = self.relative_paces()
+        window = self.settings.window
+        release = (1.0 + self.settings.flag_below) / 2  # hysteresis: a flagged member must get clearly back
+        self._newly = []
         for i, r in enumerate(relative):
-            full = len(self._seen[i]) >= self.settings.window
+            full = len(self._seen[i]) >= window
             self._slow_for[i] = self._slow_for[i] + 1 if full and r is not None and r < self.settings.flag_below else 0
             self._floor_for[i] = self._floor_for[i] + 1 if full and r is not None and r < self.settings.evict_below else 0
+            if i not in self._flagged:
+                if self._slow_for[i] >= window:
+                    self._flagged.add(i)
+                    self._newly.append(i)
+                    self._fast_for[i] = 0
+            else:
+                self._fast_for[i] = self._fast_for[i] + 1 if r is None or r >= release else 0
+                if self._fast_for[i] >= window:
+                    self._flagged.discard(i)
         if self.settings.rebalances:
             self._rebalance()
 
@@ -172,12 +188,16 @@ class Balancer:
             self.changed = True
 
     def flagged(self) -> list[int]:
-        """Members slower than ``flag_below`` of the median for ``window`` steps in a row."""
-        return [i for i, n in enumerate(self._slow_for) if n >= 1]
+        """Members flagged as stragglers: a pace estimate below ``flag_below`` of the median's for
+        ``window`` steps in a row (a member that is slow for a few steps, as every member of an
+        oversubscribed host is in turn, is not). A flagged member stays flagged until its pace is
+        back above halfway between ``flag_below`` and the median's for ``window`` steps in a row,
+        so a member whose pace hovers at the threshold is flagged once, not at every dip."""
+        return sorted(self._flagged)
 
     def newly_flagged(self) -> list[int]:
-        """Members flagged by the last :meth:`observe` (not by the one before it)."""
-        return [i for i, n in enumerate(self._slow_for) if n == 1]
+        """Members flagged by the last :meth:`observe` (not flagged before it)."""
+        return list(self._newly)
 
     def evicted(self) -> list[int]:
         """With ``mode="evict"``: members below ``evict_below`` for ``evict_after`` steps in a row."""

@@ -81,10 +81,12 @@ class GenerationProcessGroup(dist.ProcessGroup):
     generation's group and are watched; a failure is handed to ``failed``, which either lets the
     collective return (the step will be redone) or raises."""
 
-    def __init__(self, group: "GenerationGroup", failed: Callable[[GenerationFailed], None]) -> None:
+    def __init__(self, group: "GenerationGroup", failed: Callable[[GenerationFailed], None],
+                 check: Callable[[str], None] = lambda op: None) -> None:
         super().__init__(group.rank, group.size)
         self._generation = group
         self._failed = failed
+        self._check = check
         backend_type = dist.ProcessGroup.BackendType.NCCL if group.backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
         self._set_default_backend(backend_type)
         self._register_backend(torch.device(group.device.type), backend_type, group.pg)
@@ -100,6 +102,7 @@ class GenerationProcessGroup(dist.ProcessGroup):
     def _watched(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         group = self._generation
         what = f"the script's {op}"
+        self._check(op)  # refused before any byte is sent (a collective inside job.on_leader)
         try:
             try:
                 work = getattr(group.pg, WATCHED[op])(*args, **kwargs)
@@ -147,8 +150,10 @@ class DefaultGroup:
     """Keeps torch.distributed's default group and the rank variables in step with the
     generation this member is in (see the module's docstring)."""
 
-    def __init__(self, failed: Callable[[GenerationFailed], None], release: Callable[[Any], None] = lambda pg: None) -> None:
+    def __init__(self, failed: Callable[[GenerationFailed], None], release: Callable[[Any], None] = lambda pg: None,
+                 check: Callable[[str], None] = lambda op: None) -> None:
         self._failed = failed
+        self._check = check
         self._release = release
         """Takes a past generation's default group when the next one forms, to drop it where a
         slow destructor holds up nothing (:meth:`unbroken.worker.graveyard.Graveyard.bury`)."""
@@ -164,7 +169,7 @@ class DefaultGroup:
         past = self._forget()
         if past is not None:
             self._release(past)
-        pg = GenerationProcessGroup(group, self._failed)
+        pg = GenerationProcessGroup(group, self._failed, self._check)
         c10d._update_default_pg(pg)
         c10d._world.pg_map[pg] = (group.backend, group.store)
         c10d._world.pg_names[pg] = "default_pg"

@@ -66,12 +66,14 @@ def pacing(settings: RuntimeSettings, distributed: bool, plan: DataPlan, group: 
 
 def default_group(settings: RuntimeSettings, distributed: bool, group: GroupMember | None,
                   script_collective_failed: Callable[[GenerationFailed], None],
-                  release: Callable[[Any], None]) -> DefaultGroup | None:
+                  release: Callable[[Any], None],
+                  check: Callable[[str], None] = lambda op: None) -> DefaultGroup | None:
     """The default group that follows each generation (:mod:`unbroken.worker.default_group`), for a
     plain member of a distributed job that wants one; None alone or in a replica group. A past
-    generation's default group goes to ``release`` (the graveyard's bury)."""
+    generation's default group goes to ``release`` (the graveyard's bury); ``check(op)`` may refuse
+    a collective of the script's before it starts (one inside ``job.on_leader``)."""
     if distributed and group is None and settings.default_group:
         from unbroken.worker.default_group import DefaultGroup
 
-        return DefaultGroup(script_collective_failed, release)
+        return DefaultGroup(script_collective_failed, release, check)
     return None

@@ -149,6 +149,8 @@ class LeaderCalls:
             try:
                 return self._run_in(group, step, number, fn, args, kwargs)
             except GenerationFailed as exc:
+                if getattr(exc, "_raised_by_fn", False):
+                    raise  # fn's own error: every member has it, and it is never run again
                 self._rejoin(str(exc))  # the leader (or another member) died: the next generation runs it again
 
     def _run_in(self, group: "GenerationGroup", step: int, number: int, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -160,6 +162,7 @@ class LeaderCalls:
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:
+                    exc._raised_by_fn = True  # type: ignore[attr-defined]
                     self._post(group, key, encode(False, f"{type(exc).__name__}: {exc}"))
                     raise
             self._post(group, key, encode(True, result))

@@ -35,6 +35,8 @@ class LoopGuard:
         with a step of zero gradients)."""
         self.step: Any = None
         """The :class:`~unbroken.worker.step.Step` the loop yielded last, or None before the first."""
+        self.leader_call: str | None = None
+        """The function a :meth:`~unbroken.Job.on_leader` call runs, while it runs (None otherwise)."""
         previous = getattr(optimizer, "_unbroken_step_hook", None)
         if previous is not None:  # one job at a time watches an optimizer: the newest
             previous.remove()
@@ -68,6 +70,16 @@ class LoopGuard:
             return original(*args, **kwargs)
 
         optimizer.zero_grad = zero_grad
+
+    def check_script_collective(self, op: str) -> None:
+        """Refuse a collective of the script's own inside ``job.on_leader(fn)``: only the leader
+        runs ``fn``, and the others wait for its result without any collective, so none would
+        ever join it (it would hang to the collective timeout, and the call be retried)."""
+        if self.leader_call is not None:
+            raise LoopMisuse(
+                f"torch.distributed {op} inside job.on_leader({self.leader_call}): only the leader runs it, so no other"
+                " member joins the collective. Make collectives in the loop body on every member (before step.commit()),"
+                " and keep on_leader's function to the leader's own work (evaluate, log, save)")
 
     def script_collective_failed(self, error: GenerationFailed) -> None:
         """A collective of the script's own on torch.distributed's default group failed (a member

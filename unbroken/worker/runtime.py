@@ -41,7 +41,7 @@ from unbroken.worker import devices, job_setup, mixed_precision, state_digests, 
 from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
-from unbroken.errors import ConfigError, ReplicaDivergence
+from unbroken.errors import ConfigError, LoopMisuse, ReplicaDivergence
 from unbroken.worker.healer import Healer
 from unbroken.worker.job_state import TrainingObjects, gather_state, load_state
 from unbroken.worker.joining import Joiner
@@ -167,7 +167,8 @@ class Job:
         self._pacing = job_setup.pacing(self.settings, self.distributed, self.plan, self._group, self._events)
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
         self._default_group = job_setup.default_group(self.settings, self.distributed, self._group,
-                                                      self._loop_guard.script_collective_failed, self._joiner.graveyard.bury)
+                                                      self._loop_guard.script_collective_failed, self._joiner.graveyard.bury,
+                                                      self._loop_guard.check_script_collective)
 
     def _init_progress(self) -> None:
         """Where this member stands: no step committed, no generation joined, no live state."""
@@ -212,10 +213,26 @@ class Job:
         from it (a best loss, ``job.stop(...)``) is the same everywhere. If the leader dies inside
         ``fn`` the survivors re-form and the new leader runs it again; if ``fn`` raises, the
         leader raises the error and every other member :class:`~unbroken.errors.LeaderCallFailed`
-        naming it. In a single process it is ``fn(*args, **kwargs)``."""
+        naming it, and the call is never run again. ``fn`` runs on the leader alone, so a
+        collective inside it (``dist.all_reduce``, a torchmetrics sync) is refused at once with
+        :class:`~unbroken.errors.LoopMisuse`. Before :meth:`steps` there is no leader yet:
+        :class:`~unbroken.errors.LoopMisuse`. In a single process it is ``fn(*args, **kwargs)``."""
         if not self.distributed:
             return fn(*args, **kwargs)
-        return self._leader_calls.run(fn, args, kwargs)
+        if self.total is None:
+            raise LoopMisuse(
+                f"job.on_leader({getattr(fn, '__name__', fn)!r}) was called before job.steps(): the members have not formed"
+                " a generation yet, so there is no leader. Call it inside the loop, e.g. at the top of the body:"
+                " `if step.index == 0: job.on_leader(evaluate)` (nanoGPT's evaluation at iteration 0)")
+        self._loop_guard.leader_call = getattr(fn, "__qualname__", None) or repr(fn)
+        entered = time.monotonic()
+        try:
+            return self._leader_calls.run(fn, args, kwargs)
+        finally:
+            self._loop_guard.leader_call = None
+            step = self._loop_guard.step
+            if step is not None and self._loop_guard.in_body:  # the leader's work is not its pace (stragglers)
+                step.paused += time.monotonic() - entered
 
     def _rejoin(self, reason: str | None) -> bool:
         """Leave the broken generation (for ``reason``) and join the next, inside the loop body

@@ -54,6 +54,8 @@ class Step:
         reduce: the step is not committed, and the job ends at the boundary before it."""
         self.error: Exception | None = None
         self.started = time.monotonic()
+        self.paused = 0.0
+        """Seconds of this step's body spent in ``job.on_leader`` calls: not this member's pace."""
         job._pacing.start(job._device)
         self._grads_at_start = job._grad_count()
         self._grads_in_backward = 0
@@ -241,7 +243,7 @@ class Step:
         job = self.job
         error: GenerationFailed | None = None
         sums = [0.0] * 5
-        job._pacing.measured(self.started, self.samples)
+        job._pacing.measured(self.started + self.paused, self.samples)
         try:
             self._arm()
             if self._stale:
