@@ -4,7 +4,9 @@
     unbroken run --nproc-per-node 2 examples/train_fabric.py --steps 40 --out model.pt
 
 The loop is Fabric's; the changed lines are where ``Fabric`` comes from and its arguments
-(``accumulate=`` instead of counting batches, ``max_steps=``).
+(``accumulate=`` instead of counting batches, ``max_steps=``). The scheduler goes to
+``fabric.setup(..., scheduler=)``, as Fabric's own API takes it: unbroken steps it once per
+committed step and heals it (the loop's ``scheduler.step()`` then does nothing).
 """
 
 import argparse
@@ -29,7 +31,8 @@ x = torch.randn(512, 8)
 y = torch.sin(x @ torch.randn(8, 1))
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-model, optimizer = fabric.setup(model, optimizer)
+scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
 loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True))
 
 for inputs, targets in loader:
@@ -37,6 +40,7 @@ for inputs, targets in loader:
     fabric.backward(loss)
     fabric.clip_gradients(model, optimizer, max_norm=1.0)
     optimizer.step()
+    scheduler.step()
     optimizer.zero_grad()
 
 fabric.end()

@@ -128,6 +128,7 @@ class Accelerator:
             total, model=model, optimizer=optimizers[0], dataset=train.dataset, global_batch_size=global_batch,
             micro_batch_size=micro, seed=self._seed, scheduler=schedulers[0] if schedulers else None,
             collate_fn=default_collate_or(train),
+            scheduler_hint="Prepare it with the model and optimizer: accelerator.prepare(model, optimizer, loader, scheduler)",
         )
         prepared: dict[int, Any] = {
             id(model): model,

@@ -42,9 +42,12 @@ class DrivenLoop:
         job_args: the :class:`~unbroken.Job`'s arguments.
     """
 
-    def __init__(self, total: int, **job_args: Any) -> None:
+    def __init__(self, total: int, scheduler_hint: str | None = None, **job_args: Any) -> None:
         self.job = Job(**job_args)
         self.total = total
+        self._scheduler_hint = scheduler_hint
+        """Where the framework takes a scheduler; with it, a scheduler attached to the optimizer
+        but not given to the job is refused at the first commit (:meth:`optimizer_step`)."""
         self._steps: Iterator[Step] | None = None
         self.step: Step | None = None
         self._micro = 0
@@ -104,9 +107,24 @@ class DrivenLoop:
 
     def optimizer_step(self) -> bool:
         """Commit the step after its last micro-batch; before it, nothing (gradients accumulate)."""
+        self._check_scheduler()
         if not self.sync:
             return False
         return self.step.commit()
+
+    def _check_scheduler(self) -> None:
+        """A torch learning-rate scheduler on the optimizer that the job was not given would be
+        stepped by the script as often as it calls it: once per batch, so with this member's
+        share of each step (the schedule would depend on the number of members), and it would
+        be neither committed nor healed. Refused, naming where it belongs."""
+        if self._scheduler_hint is None or self.job.scheduler is not None:
+            return
+        if getattr(self.job.optimizer.step, "_wrapped_by_lr_sched", False):
+            raise LoopMisuse(
+                "a learning-rate scheduler is attached to the optimizer but was not given to unbroken: stepped by the loop"
+                " next to optimizer.step(), it would advance with each worker's batches (a schedule that depends on the"
+                f" number of workers) and never be healed. {self._scheduler_hint}; it is then stepped once per committed"
+                " step and healed with the model, and the loop's own scheduler.step() calls do nothing")
 
     def on_leader(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self.job.on_leader(fn, *args, **kwargs)
@@ -187,6 +205,21 @@ class CommittingOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+def adopt_scheduler(scheduler: Any, committing: Callable[[], bool]) -> Any:
+    """Make ``scheduler.step()`` the commit's alone: the job steps it once per committed step
+    (and a catch-up's replay the same), while the loop's own calls, however many per step, do
+    nothing. Returns ``scheduler``."""
+    real = scheduler.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if committing():
+            return real(*args, **kwargs)
+        return None  # the loop's own call: the commit steps it
+
+    scheduler.step = step
+    return scheduler
 
 
 class CommittedScheduler:

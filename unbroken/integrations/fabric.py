@@ -6,13 +6,14 @@
 
     fabric = Fabric(accumulate=2)
     fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)
+    model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
     loader = fabric.setup_dataloaders(loader)
     for batch in loader:
         loss = loss_fn(model(batch[0]), batch[1])
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
+        scheduler.step()    # does nothing: the commit steps it once per step
         optimizer.zero_grad()
 
 :class:`Fabric` keeps Fabric's names for what a training loop calls and runs them on unbroken's
@@ -23,7 +24,10 @@ whatever the number of workers; ``backward`` weights each batch's loss by its sh
 ``clip_gradients`` reduces the gradients over every worker before it clips them;
 ``optimizer.step()`` commits the step after this worker's last batch of it and does nothing
 before (so call it on every batch, and let ``accumulate`` do the accumulation: a loop that counts
-batches itself would count a worker's share, which changes with the number of workers). A step
+batches itself would count a worker's share, which changes with the number of workers). A
+scheduler given to ``setup`` is stepped once per committed step and healed; one on the optimizer
+that is not given there is refused, since the loop would step it once per batch of this worker's
+share. A step
 whose reduce failed comes again. ``launch``, ``barrier`` and ``no_backward_sync`` do nothing;
 ``is_global_zero`` follows the current leader.
 """
@@ -41,6 +45,7 @@ from unbroken.errors import ConfigError
 from unbroken.integrations.driven_loop import (
     CommittingOptimizer,
     DrivenLoop,
+    adopt_scheduler,
     EvaluationBatches,
     TrainingBatches,
     UnsupportedFeature,
@@ -85,6 +90,7 @@ class Fabric:
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: Any = None
         self._loop: DrivenLoop | None = None
 
     def launch(self, function: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -93,14 +99,23 @@ class Fabric:
 
     # -- setting up ------------------------------------------------------------------------------
 
-    def setup(self, module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
-        """The model (moved to this worker's device) and its optimizer (whose ``step()`` commits)."""
+    def setup(self, module: torch.nn.Module, *optimizers: torch.optim.Optimizer, scheduler: Any = None,
+              move_to_device: bool = True) -> Any:
+        """The model (moved to this worker's device), its optimizer (whose ``step()`` commits) and,
+        as Fabric's ``setup(..., scheduler=)``, its learning-rate scheduler: stepped once per
+        committed step and healed with the model (the loop's own ``scheduler.step()`` calls then
+        do nothing). A scheduler on the optimizer that is not given here is refused at the first
+        ``optimizer.step()``."""
         if len(optimizers) != 1:
             raise _refuse(f"{len(optimizers)} optimizers (one optimizer, set up with its model)")
         if self._model is not None:
             raise _refuse("a second call to setup()")
-        self._model, self._optimizer = module.to(self.device), optimizers[0]
-        return self._model, CommittingOptimizer(optimizers[0], lambda: self._require_loop())
+        self._model, self._optimizer = module.to(self.device) if move_to_device else module, optimizers[0]
+        wrapped = CommittingOptimizer(optimizers[0], lambda: self._require_loop())
+        if scheduler is None:
+            return self._model, wrapped
+        self._scheduler = adopt_scheduler(scheduler, lambda: self._loop is not None and self._loop.job._committing)
+        return self._model, wrapped, self._scheduler
 
     def setup_dataloaders(self, *loaders: torch.utils.data.DataLoader, **kwargs: Any) -> Any:
         """The training loader (the first: this worker's batches of each step) and evaluation
@@ -117,7 +132,8 @@ class Fabric:
         total = self._max_steps if self._max_steps is not None else steps_per_epoch * self._num_epochs
         self._loop = DrivenLoop(total, model=self._model, optimizer=self._optimizer, dataset=train.dataset,
                                 global_batch_size=global_batch, micro_batch_size=train.batch_size, seed=self._seed,
-                                collate_fn=default_collate_or(train))
+                                collate_fn=default_collate_or(train), scheduler=self._scheduler,
+                                scheduler_hint="Give it to fabric.setup(model, optimizer, scheduler=scheduler)")
         out = [TrainingBatches(self._loop, steps_per_epoch, math.ceil(global_batch / train.batch_size), self.device)]
         out += [EvaluationBatches(loader, self.device) for loader in loaders[1:]]
         return out[0] if len(out) == 1 else out

@@ -66,3 +66,36 @@ def test_loaders_before_the_model_and_unsupported_methods_say_what_to_do():
         fabric.setup_dataloaders(loader)
     with pytest.raises(UnsupportedFeature, match="Fabric.sharded_model"):
         fabric.sharded_model
+
+
+def _train(fabric, model, optimizer, loader, scheduler=None):
+    for x, y in loader:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()  # next to optimizer.step(), on every batch, as Fabric loops do
+        optimizer.zero_grad()
+    fabric.end()
+
+
+def test_a_scheduler_given_to_setup_is_stepped_once_per_committed_step_and_is_in_the_healed_state():
+    model, optimizer, loader = _objects()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
+    fabric = Fabric(accumulate=2, max_steps=3, accelerator="cpu")
+    model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
+    loader = fabric.setup_dataloaders(loader)
+    _train(fabric, model, optimizer, loader, scheduler)
+    assert scheduler.last_epoch == 3, "once per committed step, not once per batch (6)"
+    assert fabric.job.scheduler is scheduler and fabric.job._state()["scheduler"]["last_epoch"] == 3
+
+
+def test_a_scheduler_on_the_optimizer_but_not_given_to_setup_is_refused():
+    from unbroken.errors import LoopMisuse
+
+    model, optimizer, loader = _objects()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
+    fabric = Fabric(accumulate=2, max_steps=3, accelerator="cpu")
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(loader)
+    with pytest.raises(LoopMisuse, match=r"fabric.setup\(model, optimizer, scheduler=scheduler\)"):
+        _train(fabric, model, optimizer, loader, scheduler)
