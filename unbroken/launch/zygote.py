@@ -345,14 +345,35 @@ def _run_worker(request: dict[str, Any]) -> None:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # as a fresh interpreter's: from the OS, not the zygote's
     target, *args = request["argv"]
-    if request["module"]:
-        sys.argv = [target, *args]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if request["module"]:
+            sys.argv = [target, *args]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the script's error, printed as `python script.py` would
+        trimmed = _from_the_script(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(trimmed), trimmed)
+        sys.exit(1)
+
+
+def _from_the_script(tb: Any) -> Any:
+    """``tb`` without its first frames, the zygote's and runpy's: a traceback that starts where the
+    script does, as Python prints it for ``python script.py`` (an error in compiling the script
+    itself keeps them: they are all there is)."""
+    import runpy
+
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    start = tb
+    while start is not None and (os.path.abspath(start.tb_frame.f_code.co_filename) in ours
+                                 or start.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        start = start.tb_next
+    return start if start is not None else tb
 
 
 def main(argv: list[str]) -> None:
@@ -373,11 +394,17 @@ def main(argv: list[str]) -> None:
     prepare_for_forking()  # torch._dynamo imported, the heap frozen: see unbroken.launch.preload
 
     assert not torch.cuda.is_initialized()  # never touch CUDA here: a context cannot survive a fork
+    request = None
     try:
         _serve(sock)
     except _BecomeWorker as become:
-        del sock
-        _run_worker(become.request)
+        request = become.request
+    # the worker runs outside the handler: the script must see no exception in flight
+    # (sys.exc_info(): an integration takes one for an error), and its own errors must not be
+    # printed as raised "during handling of" the zygote's
+    del sock
+    if request is not None:
+        _run_worker(request)
 
 
 if __name__ == "__main__":
