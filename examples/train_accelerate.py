@@ -3,12 +3,14 @@
     python examples/train_accelerate.py --steps 40 --out model.pt
     unbroken run --nproc-per-node 2 examples/train_accelerate.py --steps 40 --out model.pt
 
-The loop is Accelerate's; the one changed line is the import of ``Accelerator`` (and its
-``max_steps=``). Under ``unbroken run`` a killed worker costs the others a redone step, and the
-model is the single process's.
+The loop is Accelerate's, epochs and all; the one changed line is the import of ``Accelerator``
+(here with ``max_steps=``, so that ``--steps`` can end the job inside an epoch). Under ``unbroken
+run`` a killed worker costs the others a redone step, a restarted one rejoins in the job's epoch,
+and the model is the single process's.
 """
 
 import argparse
+import math
 
 import torch
 from accelerate.utils import set_seed
@@ -35,17 +37,19 @@ loss_function = torch.nn.MSELoss()
 accelerator = Accelerator(gradient_accumulation_steps=2, max_steps=args.steps)
 model, optimizer, training_dataloader, scheduler = accelerator.prepare(model, optimizer, training_dataloader, scheduler)
 
-for batch in training_dataloader:
-    with accelerator.accumulate(model):
-        optimizer.zero_grad()
-        inputs, targets = batch
-        outputs = model(inputs)
-        loss = loss_function(outputs, targets)
-        accelerator.backward(loss)
-        if accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+num_epochs = math.ceil(args.steps * accelerator.gradient_accumulation_steps / len(training_dataloader))
+for epoch in range(num_epochs):
+    for batch in training_dataloader:
+        with accelerator.accumulate(model):
+            optimizer.zero_grad()
+            inputs, targets = batch
+            outputs = model(inputs)
+            loss = loss_function(outputs, targets)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
 
 accelerator.end_training()
 if args.out:

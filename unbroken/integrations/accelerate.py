@@ -44,6 +44,7 @@ from unbroken.errors import ConfigError
 from unbroken.integrations.driven_loop import (
     CommittedScheduler,
     CommittingOptimizer,
+    OPEN_ENDED,
     DrivenLoop,
     EvaluationBatches,
     TrainingBatches,
@@ -77,8 +78,9 @@ class Accelerator:
             step's global batch is ``batch_size`` times this (default 1).
         global_batch_size: samples per step over all workers (default: the loader's batch size
             times ``gradient_accumulation_steps``).
-        num_epochs: passes over the training loader the script makes (default 1); the job ends
-            after them, or where every worker stops iterating.
+        num_epochs: passes over the training loader the script makes; the job ends after them.
+            Default: the script's own epoch loop decides (each pass over the prepared loader is
+            one epoch of the job's steps), and the job ends where every worker stops iterating.
         max_steps: the job's steps instead of ``num_epochs`` passes.
         seed: seeds the sample order.
         cpu: train on the CPU even where a GPU is.
@@ -86,7 +88,7 @@ class Accelerator:
             others that do not change training (``device_placement``, ``project_dir``, ...) are accepted.
     """
 
-    def __init__(self, gradient_accumulation_steps: int = 1, *, global_batch_size: int | None = None, num_epochs: int = 1,
+    def __init__(self, gradient_accumulation_steps: int = 1, *, global_batch_size: int | None = None, num_epochs: int | None = None,
                  max_steps: int | None = None, seed: int = 0, cpu: bool = False, **accelerate_args: Any) -> None:
         for name, value in accelerate_args.items():
             if name in REFUSED and value not in (None, False, "no", [], {}):
@@ -123,7 +125,12 @@ class Accelerator:
         micro = train.batch_size
         global_batch = self._global_batch_size or micro * self.gradient_accumulation_steps
         steps_per_epoch = plan_steps(train, global_batch)
-        total = self._max_steps if self._max_steps is not None else steps_per_epoch * self._num_epochs
+        if self._max_steps is not None:
+            total = self._max_steps
+        elif self._num_epochs is not None:
+            total = steps_per_epoch * self._num_epochs
+        else:
+            total = OPEN_ENDED  # the script's epoch loop decides: the job ends where every worker stops iterating
         self._loop = DrivenLoop(
             total, model=model, optimizer=optimizers[0], dataset=train.dataset, global_batch_size=global_batch,
             micro_batch_size=micro, seed=self._seed, scheduler=schedulers[0] if schedulers else None,
@@ -253,6 +260,10 @@ class Accelerator:
             if job.scheduler is not None:
                 torch.save(job.scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
+        if self._loop.finished:  # after the job's end: every member holds the final model; its last leader saves
+            if job.is_leader:
+                save()
+            return
         job.on_leader(save)
 
     def end_training(self) -> None:

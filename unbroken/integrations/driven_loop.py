@@ -6,9 +6,12 @@ Frameworks do not write ``for step in job.steps()``: the script iterates a data 
 framework's data loader yields: the micro-batches of this member's share of each step, then those
 of the next step; after a step whose reduce failed (a member was lost), the micro-batches of the
 same step again, as the new generation splits it, so the framework's loop redoes it without
-noticing. :meth:`optimizer_step` commits the step when the last micro-batch of this member's
-share was backpropagated, and does nothing before (gradient accumulation). :meth:`finish` ends the
-job at the boundary where the script stopped iterating, as a ``break`` taken by every member does.
+noticing. Each pass over the loader is an epoch counted in the job's steps, so a restarted
+process's epoch loop catches up with the job's. :meth:`optimizer_step` commits the step when the
+last micro-batch of this member's share was backpropagated, and does nothing before (gradient
+accumulation). :meth:`finish` ends the job at the boundary where the script stopped iterating, as
+a ``break`` taken by every member does: after the last step of its total, or earlier (a clean stop,
+said on the console), and after whatever the script does after its loop (saving, evaluating).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from unbroken.errors import ConfigError, LoopMisuse
 from unbroken.worker.runtime import Job
 from unbroken.worker.step import Step
+from unbroken.worker.step_loop import OPEN_ENDED
 
 
 class UnsupportedFeature(ConfigError):
@@ -32,6 +36,8 @@ def refuse(who: str, feature: str, guide: str) -> UnsupportedFeature:
     """The error for ``feature`` of ``who`` (unbroken's Accelerator, Fabric, UnbrokenStrategy)."""
     return UnsupportedFeature(f"{who} does not support {feature}: it would train a different model than a single process,"
                               f" or not survive a lost worker (see {guide})")
+
+
 
 
 class DrivenLoop:
@@ -50,6 +56,9 @@ class DrivenLoop:
         but not given to the job is refused at the first commit (:meth:`optimizer_step`)."""
         self._steps: Iterator[Step] | None = None
         self.step: Step | None = None
+        self._pending: Step | None = None
+        """A step taken from the job but belonging to a later pass over the loader (this process
+        joined a job already past its current pass): the next pass starts with it."""
         self._micro = 0
         self._finished = False
         atexit.register(self.finish)
@@ -78,21 +87,34 @@ class DrivenLoop:
 
     def after_commit(self) -> None:
         """After the last step's commit: end the job as at a normal end (the final replica check
-        and checkpoint), with every member."""
+        and checkpoint), with every member (Lightning's loop, which has no end of its own to call)."""
         if self.job.next_step >= self.total and not self._finished:
             self._finished = next(self._steps, None) is None
 
-    def batches(self, steps: int | None = None) -> Iterator[Any]:
-        """The micro-batches of the next ``steps`` steps (all that remain if None), redoing a failed one."""
-        end = self.total if steps is None else min(self.total, self.job.next_step + steps)
-        while self.job.next_step < end:
-            step = self.next()
-            if step is None:
-                return
+    def batches(self, index: int, steps_per_pass: int) -> Iterator[Any]:
+        """The micro-batches of pass ``index`` over the training loader: the steps
+        ``[index * steps_per_pass, (index + 1) * steps_per_pass)`` of the job (up to its total),
+        a failed one redone. Passes are counted in the job's steps, not in this process's
+        iterations: a process that joined (or was healed) past the steps of the pass it begins
+        gets nothing from it, so that its script's epoch loop catches up with the job's epochs
+        and every member ends its passes at the same step."""
+        end = min(self.total, (index + 1) * steps_per_pass)
+        while not self._finished:
+            if self._pending is not None:
+                step, self._pending = self._pending, None
+                self.step = step
+            elif self.job.next_step >= end and self._steps is not None:
+                break  # the pass is done (known without taking the next step from the job)
+            else:
+                step = self.next()  # the first one joins the job and heals this process
+                if step is None:
+                    return
+            if step.index >= end:  # the job is past this pass: the next one starts with this step
+                self._pending, self.step = step, None
+                break
             for self._micro, batch in enumerate(step.micro_batches()):
                 yield batch
             self.step = None
-        self.after_commit()
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.step is None:
@@ -142,6 +164,9 @@ class DrivenLoop:
 
             if sys.exc_info()[0] is not None or ExitGuard.crashed:
                 self.job._left_on_error = True
+            elif 0 < self.job.next_step < self.total < OPEN_ENDED and self.job.is_leader:
+                print(f"unbroken: the script stopped iterating after step {self.job.next_step - 1}, before the job's"
+                      f" {self.total} steps: the job ends there, for every member", file=sys.stderr, flush=True)
             self._steps.close()
 
 
@@ -157,19 +182,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 class TrainingBatches:
     """The prepared training loader: this member's micro-batches of each step, on ``device``, one
-    epoch (``steps_per_epoch`` steps) per pass; ``len()`` is the batches of an epoch as a single
-    process sees them."""
+    epoch (``steps_per_epoch`` steps of the job: the n-th pass is epoch n) per pass; ``len()`` is
+    the batches of an epoch as a single process sees them."""
 
     def __init__(self, loop: DrivenLoop, steps_per_epoch: int, micro_per_step: int, device: torch.device) -> None:
         self._loop, self._device = loop, device
         self.steps_per_epoch = steps_per_epoch
         self._len = steps_per_epoch * micro_per_step
+        self._passes = 0
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self._loop.batches(self.steps_per_epoch):
+        index, self._passes = self._passes, self._passes + 1
+        for batch in self._loop.batches(index, self.steps_per_epoch):
             yield to_device(batch, self._device)
 
 

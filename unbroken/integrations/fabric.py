@@ -44,6 +44,7 @@ import torch
 from unbroken.errors import ConfigError
 from unbroken.integrations.driven_loop import (
     CommittingOptimizer,
+    OPEN_ENDED,
     DrivenLoop,
     adopt_scheduler,
     EvaluationBatches,
@@ -66,7 +67,8 @@ class Fabric:
         accumulate: batches per step as a single process sees them (default 1).
         global_batch_size: samples per step over all workers (default: the loader's batch size
             times ``accumulate``).
-        num_epochs: passes over the training loader the loop makes (default 1).
+        num_epochs: passes over the training loader the loop makes. Default: the loop's own epoch
+            loop decides, and the job ends where every worker stops iterating.
         max_steps: the job's steps instead of ``num_epochs`` passes.
         seed: seeds the sample order.
         accelerator: ``"cpu"`` trains on the CPU; otherwise a GPU where there is one (``cuda:LOCAL_RANK``).
@@ -75,7 +77,7 @@ class Fabric:
             workers; mixed precision goes through ``unbroken.Job(scaler=...)``).
     """
 
-    def __init__(self, accumulate: int = 1, *, global_batch_size: int | None = None, num_epochs: int = 1,
+    def __init__(self, accumulate: int = 1, *, global_batch_size: int | None = None, num_epochs: int | None = None,
                  max_steps: int | None = None, seed: int = 0, accelerator: str = "auto", **fabric_args: Any) -> None:
         for name, value in fabric_args.items():
             if name in ("devices", "num_nodes") and value not in (1, "1", "auto", None):
@@ -129,7 +131,12 @@ class Fabric:
             raise _refuse("a batch sampler (unbroken plans the samples of each step: give the DataLoader a batch_size)")
         global_batch = self._global_batch_size or train.batch_size * self.accumulate
         steps_per_epoch = plan_steps(train, global_batch)
-        total = self._max_steps if self._max_steps is not None else steps_per_epoch * self._num_epochs
+        if self._max_steps is not None:
+            total = self._max_steps
+        elif self._num_epochs is not None:
+            total = steps_per_epoch * self._num_epochs
+        else:
+            total = OPEN_ENDED  # the script's epoch loop decides: the job ends where every worker stops iterating
         self._loop = DrivenLoop(total, model=self._model, optimizer=self._optimizer, dataset=train.dataset,
                                 global_batch_size=global_batch, micro_batch_size=train.batch_size, seed=self._seed,
                                 collate_fn=default_collate_or(train), scheduler=self._scheduler,

@@ -42,6 +42,7 @@ from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
 from unbroken.errors import ConfigError, LoopMisuse, ReplicaDivergence
+from unbroken.worker.step_loop import OPEN_ENDED
 from unbroken.worker.healer import Healer
 from unbroken.worker.job_state import TrainingObjects, gather_state, load_state
 from unbroken.worker.joining import Joiner
@@ -371,7 +372,7 @@ class Job:
                 seconds=time.monotonic() - step.started,
                 loss=step.loss,
                 samples=self.plan.global_batch_size,
-                total=self.total,
+                total=self.total if self.total is not None and self.total < OPEN_ENDED else None,
             )
 
     # -- the generation ------------------------------------------------------------------------

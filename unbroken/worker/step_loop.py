@@ -20,6 +20,10 @@ from unbroken.worker.step import Step
 if TYPE_CHECKING:
     from unbroken.worker.job_parts import LoopingJob
 
+OPEN_ENDED = 2**62
+"""A total for a job whose script's loop decides where it ends (an integration's epoch loop whose
+count it was not told): the job ends where every member leaves the loop together."""
+
 
 def steps_alone(job: LoopingJob, total: int) -> Iterator[Step]:
     """A single process: every step commits; the reference every distributed run must match."""
@@ -153,7 +157,8 @@ def _left_together(job: LoopingJob) -> bool:
               f" step {last} too (to stop without the wait, call job.stop(reason) and let the loop end)",
               file=sys.stderr, flush=True)
         return False
-    job.stop(f"the script left the loop after step {last}")
+    if job.total is None or job.next_step < job.total:  # at the total it is the job's normal end
+        job.stop(f"the script left the loop after step {last}")
     return _finish(job)
 
 

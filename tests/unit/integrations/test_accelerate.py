@@ -54,7 +54,7 @@ def test_accelerates_loop_shape_makes_one_step_per_accumulation_and_equals_sgd_o
     assert len(loader) == (64 // 8) * 2 and accelerator.is_main_process and accelerator.num_processes == 1
 
 
-def test_one_epoch_by_default_and_the_scheduler_steps_once_per_committed_step():
+def test_one_pass_and_the_scheduler_steps_once_per_committed_step():
     model, optimizer, loader = _objects(n=32)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     accelerator = Accelerator(gradient_accumulation_steps=2)
@@ -67,6 +67,42 @@ def test_one_epoch_by_default_and_the_scheduler_steps_once_per_committed_step():
         scheduler.step()  # the script's call does nothing: the commit stepped it
     assert accelerator.job.next_step == 4  # 32 samples, a global batch of 8
     assert scheduler.get_last_lr()[0] == pytest.approx(0.1 * 0.5**4)
+
+
+def _epochs(accelerator, model, optimizer, loader, epochs, seen):
+    for epoch in range(epochs):  # the usual epoch loop, its count never told to the Accelerator
+        for x, y in loader:
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            if accelerator.sync_gradients:
+                seen.append((epoch, accelerator._loop.step.index))
+
+
+def test_an_epoch_loop_trains_every_epoch_and_a_process_that_joins_late_catches_up_with_the_jobs_epoch(tmp_path):
+    model, optimizer, loader = _objects(n=32)
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    seen = []
+    _epochs(accelerator, model, optimizer, loader, 3, seen)
+    accelerator.save_state(str(tmp_path / "state"))  # after the last epoch, before the end: works
+    accelerator.end_training()
+    assert [s for _, s in seen] == list(range(12)) and [e for e, _ in seen] == [0] * 4 + [1] * 4 + [2] * 4
+    assert (tmp_path / "state" / "model.pt").exists()
+    # a restarted process runs the script from epoch 0 while the job stands at step 6 (epoch 1):
+    # its first pass gives nothing, its second the rest of epoch 1, its third epoch 2
+    first = accelerator.job._state()
+    model2, optimizer2, loader2 = _objects(n=32)
+    late = Accelerator(gradient_accumulation_steps=2)
+    model2, optimizer2, loader2 = late.prepare(model2, optimizer2, loader2)
+    first["runtime"]["next_step"], first["runtime"]["lineage"] = 6, first["runtime"]["lineage"][:6]
+    late.job._load(first)  # as a heal would
+    late.job.fresh = False
+    seen = []
+    _epochs(late, model2, optimizer2, loader2, 3, seen)
+    late.end_training()
+    assert seen == [(1, 6), (1, 7), (2, 8), (2, 9), (2, 10), (2, 11)]
+    late.save_state(str(tmp_path / "after"))  # after the job's end: the last leader saves
+    assert (tmp_path / "after" / "model.pt").exists()
 
 
 @pytest.mark.parametrize("argument, named", [
