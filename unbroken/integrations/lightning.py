@@ -69,17 +69,63 @@ class _Steps:
 
 
 class _LightningState:
-    """The learning-rate schedulers Lightning steps, healed and checkpointed with the model."""
+    """What Lightning keeps between steps, healed and checkpointed with the model: the
+    learning-rate schedulers it steps, and every callback's state (``EarlyStopping``'s wait count
+    and best score, ``ModelCheckpoint``'s best checkpoints...), as Lightning's own checkpoints
+    keep them (keyed by ``Callback.state_key``). A worker healed into the job then takes the
+    same decisions as the others: it stops when they stop, and as a new leader it knows which
+    checkpoint files its predecessor kept."""
 
     def __init__(self, trainer: "pl.Trainer") -> None:
         self._trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return {"schedulers": [c.scheduler.state_dict() for c in self._trainer.lr_scheduler_configs]}
+        from lightning.pytorch.trainer import call
+
+        return {"schedulers": [c.scheduler.state_dict() for c in self._trainer.lr_scheduler_configs],
+                "callbacks": call._call_callbacks_state_dict(self._trainer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from lightning.pytorch.trainer import call
+
         for config, saved in zip(self._trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(saved)
+        if state.get("callbacks"):  # absent from states of earlier versions
+            call._call_callbacks_load_state_dict(self._trainer, {"callbacks": state["callbacks"]})
+
+
+def _continue_csv_logs() -> None:
+    """Lightning's CSV logger writes on rank zero only, and a writer made in a directory that holds
+    a ``metrics.csv`` deletes it; one that appends columns rewrites the file with its own header.
+    Under unbroken the leader changes when workers are lost, and a new leader's writer would
+    delete its predecessor's metrics, or fail on their columns (``ValueError: dict contains fields
+    not in fieldnames``). Patched once, for the CSV writers of this process: a writer continues
+    the file it finds, its header included."""
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+
+    if getattr(_ExperimentWriter, "_unbroken_continues", False):
+        return
+
+    def existing_keys(writer: Any) -> list[str]:
+        if not writer._fs.isfile(writer.metrics_file_path):
+            return []
+        import csv
+
+        with writer._fs.open(writer.metrics_file_path, "r", newline="") as file:
+            return next(csv.reader(file), [])
+
+    def keep_existing(writer: Any) -> None:  # instead of deleting the metrics another leader wrote
+        writer.metrics_keys = sorted(set(writer.metrics_keys) | set(existing_keys(writer)))
+
+    plain_save = _ExperimentWriter.save
+
+    def save(writer: Any) -> None:  # another leader may have added columns since this one last wrote
+        keep_existing(writer)
+        plain_save(writer)
+
+    _ExperimentWriter._check_log_dir_exists = keep_existing
+    _ExperimentWriter.save = save
+    _ExperimentWriter._unbroken_continues = True
 
 
 class UnbrokenStrategy(SingleDeviceStrategy):
@@ -119,6 +165,7 @@ class UnbrokenStrategy(SingleDeviceStrategy):
         return self._loop is None or self._loop.job.is_leader
 
     def setup(self, trainer: "pl.Trainer") -> None:
+        _continue_csv_logs()
         # unbroken plans the training samples, and validation loaders are not sharded: no
         # DistributedSampler for any loader
         trainer._accelerator_connector.use_distributed_sampler = False

@@ -78,3 +78,47 @@ class Stream(torch.utils.data.IterableDataset):
 def test_what_unbroken_cannot_keep_is_refused_by_name(model, loader, named):
     with pytest.raises(UnsupportedFeature, match=named):
         _trainer(max_steps=2).fit(model, loader)
+
+
+class Validated(Linear):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+
+def test_callback_state_is_part_of_the_healed_state_and_loads_back():
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    model = Validated()
+    stopper = EarlyStopping(monitor="val_loss", patience=50)
+    trainer = _trainer(max_steps=6, val_check_interval=2, callbacks=[stopper])
+    trainer.fit(model, _loader(), _loader(16))
+    state = trainer.strategy.job._state()["extra"]
+    saved = state["callbacks"][stopper.state_key]
+    assert saved["best_score"] == stopper.best_score and saved["patience"] == 50
+    fresh = EarlyStopping(monitor="val_loss", patience=50)
+    trainer.callbacks[trainer.callbacks.index(stopper)] = fresh
+    trainer.strategy.job.extra_state.load_state_dict(state)  # as a heal loads it into a restarted worker
+    assert fresh.best_score == stopper.best_score and fresh.wait_count == stopper.wait_count
+
+
+def test_a_new_leaders_csv_writer_continues_its_predecessors_metrics_file(tmp_path):
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+
+    from unbroken.integrations.lightning import _continue_csv_logs
+
+    _continue_csv_logs()
+    first = _ExperimentWriter(str(tmp_path))
+    first.log_metrics({"train_loss": 1.0, "val_loss": 2.0}, step=0)
+    first.save()
+    second = _ExperimentWriter(str(tmp_path))  # the next leader, in the same version directory
+    second.log_metrics({"train_loss": 0.5}, step=1)
+    second.save()
+    second.log_metrics({"lr": 0.1}, step=2)
+    second.save()
+    first.log_metrics({"val_loss": 1.5}, step=3)  # (a writer that lived on writes after it)
+    first.save()
+    import csv
+
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"] and rows[0]["val_loss"] == "2.0" and rows[2]["lr"] == "0.1"
