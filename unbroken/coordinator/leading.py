@@ -86,10 +86,11 @@ class Leading:
         self.state = Membership(settings, store_token=self.settings.token)
         self.state.min_generation = int(stored.get("number", 0))
         # Its first generation must not train from behind the job: it waits for a member that
-        # holds the step the last durable generation started from, as long as a live member of
-        # that generation can take to come back (its heartbeat timeout), then forms anyway.
+        # holds the step the last durable generation started from, at least a heartbeat timeout,
+        # and for as long as any member of that generation heartbeats (Membership.holders_gone).
         self.state.holder_step = int(stored.get("step", 0))
         self.state.holder_deadline = time.monotonic() + max(settings.heartbeat_timeout, self.settings.rejoin_grace)
+        self.state.holder_members = frozenset(stored.get("members") or ())
         self.state.finished = bool(outcome.get("finished"))
         self.state.failed = outcome.get("failed") or None
         self._recorded_outcome = bool(outcome)

@@ -27,6 +27,8 @@ class MemberRequests:
     finished: bool
     version: int
     first_wait: float | None
+    holder_members: frozenset[str]
+    holder_heard: dict[str, float]
     _max_step: int
     _blocked_active: int
     _busy: dict[str, float]
@@ -82,6 +84,9 @@ class MemberRequests:
         pace: dict[str, Any] | None = None,
     ) -> Member | None:
         member = self.members.get(member_id)
+        if member is None or member.state not in (MemberState.WAITING, MemberState.ACTIVE):
+            if member_id in self.holder_members:  # a holder of the job's state, alive (a new leader waits for it)
+                self.holder_heard[member_id] = now
         if member is None:
             return None
         if member.state in (MemberState.WAITING, MemberState.ACTIVE):

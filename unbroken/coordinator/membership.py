@@ -88,8 +88,15 @@ class Membership(Liveness, MemberRequests):
     member that holds at least that step, so that it never trains from behind while a member that
     holds the job's state is on its way back. 0: no such wait."""
     holder_deadline: float | None = None
-    """Until when (coordinator clock) the first generation waits for a holder; after it, those
-    who came form it (every holder is gone: the state comes from a checkpoint, if any)."""
+    """Not before (coordinator clock) may the first generation form from behind ``holder_step``:
+    a full heartbeat timeout after the leader took over (or ``rejoin_grace``, if longer)."""
+    holder_members: frozenset[str] = frozenset()
+    """The members of the last durable generation, as a new leader read them from etcd: its first
+    generation forms from behind only once every one of them is known dead by this leader's own
+    liveness view (:meth:`holders_gone`), never while one may still bring the job's state."""
+    holder_heard: dict[str, float] = field(default_factory=dict)
+    """When (coordinator clock) each of :attr:`holder_members` last heartbeated this leader
+    before joining it (it may be blocked in a collective of its old generation meanwhile)."""
     min_generation: int = 0
     """The highest generation any member has seen (it may come from a checkpoint written under an
     earlier coordinator): new generations are numbered above it, so numbers never repeat."""
@@ -230,13 +237,30 @@ class Membership(Liveness, MemberRequests):
                 return Decision(False, reason=f"first generation: {waiting} of {self.settings.expected_members} expected members")
         if waiting < self.settings.min_members:
             return Decision(False, reason=f"{waiting} member(s) waiting, minimum is {self.settings.min_members}")
-        if self.current is None and self.holder_step > 0 and self.holder_deadline is not None and now < self.holder_deadline:
+        if self.current is None and self.holder_step > 0 and not self.holders_gone(now):
             # O(N), only before a new leader's first generation
             best = max((m.step for m in self.members.values() if m.state is MemberState.WAITING), default=0)
             if best < self.holder_step:
                 return Decision(False, reason=f"first generation under a new leader: waiting for a member at step"
                                                f" {self.holder_step} or later (the waiting reach {best})")
         return None
+
+    def holders_gone(self, now: float) -> bool:
+        """Whether a new leader's first generation may form from behind :attr:`holder_step`: its
+        wait (:attr:`holder_deadline`) is over and no member of the last durable generation is
+        alive by this leader's view: none heartbeated within a heartbeat timeout (a member
+        blocked in its old generation's collective heartbeats while it waits), none waits with
+        the job's step. O(members of that generation)."""
+        if self.holder_deadline is not None and now < self.holder_deadline:
+            return False
+        timeout = self.settings.heartbeat_timeout
+        for member_id in self.holder_members:
+            if now - self.holder_heard.get(member_id, float("-inf")) < timeout:
+                return False
+            member = self.members.get(member_id)
+            if member is not None and member.state in (MemberState.WAITING, MemberState.ACTIVE) and member.step >= self.holder_step:
+                return False
+        return True
 
     def take_survivors(self, now: float) -> bool:
         """Take the survivors of a generation that a verdict broke as waiting to join the next one,

@@ -773,6 +773,32 @@ def test_a_new_leader_forms_from_behind_only_once_no_holder_came_back_in_time():
     assert generation is not None and generation.members == ("fresh",)
 
 
+def test_a_new_leader_never_forms_from_behind_while_a_holder_heartbeats_from_its_old_generation():
+    """Issue 44: a leader SIGKILLed, the next SIGSTOPped within 5 s: the third formed generation 13
+    from one fresh worker at step 0 while a node at step 337 was alive, blocked in a collective
+    with the frozen node. Alive by this leader's view (it heartbeats), it is waited for."""
+    m = _taken_over(337)
+    m.holder_members = frozenset({"holder", "frozen"})
+    m.join("fresh", "n2", None, 0, now=0.0)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):  # past the deadline (3 s): the holder heartbeats meanwhile
+        assert m.heartbeat("holder", 337, now=t) is None  # unknown to this leader: it has not joined yet
+        generation, decision = m.maybe_form(now=t + 0.1)
+        assert generation is None and "step 337" in decision.reason, (t, decision)
+    m.join("holder", "n1", None, 337, now=6.5)  # its collective failed: it joins
+    generation, _ = m.maybe_form(now=6.5)
+    assert generation is not None and set(generation.members) == {"fresh", "holder"}
+
+
+def test_a_holder_silent_for_a_heartbeat_timeout_is_gone_and_the_leader_forms_from_behind():
+    m = _taken_over(337)
+    m.holder_members = frozenset({"holder"})
+    m.join("fresh", "n2", None, 0, now=0.0)
+    m.heartbeat("holder", 337, now=2.0)
+    assert m.maybe_form(now=4.9)[0] is None  # heard 2.9 s ago, within the heartbeat timeout (3 s)
+    generation, _ = m.maybe_form(now=5.1)
+    assert generation is not None and generation.members == ("fresh",)
+
+
 def test_with_a_token_a_generations_store_keys_cannot_be_named_without_it():
     """The generation's TCPStore takes writes from anyone who reaches its port: with a token, its
     keys live under a tag derived from the token and the generation."""
