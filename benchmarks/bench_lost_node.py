@@ -50,6 +50,7 @@ def trial(directory: pathlib.Path, heartbeat_timeout: float) -> dict[str, float]
         verdict = harness.wait_for(lambda: [e for e in coord_run.events("verdict") if e["member"].startswith("b.")], 30, "a verdict")[0]
         new = lambda: {g["generation"] for g in coord_run.events("generation") if g["t"] > lost}  # noqa: E731
         resumed = harness.wait_for(lambda: [c for c in commits() if c["g"] in new()], 60, "a commit without b")[0]
+        harness.check_commits([str(directory / "a"), str(directory / "b")])  # the shared invariant checker, as the tests end
         return {"verdict": verdict["t"] - lost, "resumed": resumed["t"] - lost, "detected_by": verdict["detected_by"]}
     finally:
         for proc in (*procs.values(), coord):
