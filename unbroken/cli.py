@@ -12,6 +12,7 @@ from typing import Sequence
 
 from unbroken.errors import UnbrokenError
 from unbroken.launch.run_flags import add_run, launch_settings, log_level_flag
+from unbroken.launch.torchrun_habits import log_level, port_number
 from unbroken.launch.slurm import DEFAULT_PORT
 
 
@@ -117,8 +118,8 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     m, lead = MembershipSettings.__dataclass_fields__, LeadershipSettings.__dataclass_fields__
     c = sub.add_parser("coordinator", help="run a coordinator alone, for jobs that span several nodes")
     c.add_argument("--host", default="0.0.0.0", help="address to bind (default %(default)s)")
-    c.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
-    c.add_argument("--store-port", type=int, default=0, help="TCPStore port (default 0: any free)")
+    c.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
+    c.add_argument("--store-port", type=port_number, default=0, help="TCPStore port (default 0: any free)")
     c.add_argument("--advertise-host", default=None, help="host name members use for the store (default: this host's name)")
     c.add_argument("--min-members", type=int, default=m["min_members"].default,
                    help="no generation below this many members (default %(default)s)")
@@ -149,7 +150,8 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unbroken", description="PyTorch data-parallel training that survives failed nodes.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level of unbroken itself (default WARNING)")
+    parser.add_argument("--log-level", type=log_level, default="WARNING",
+                        help="logging level of unbroken itself: DEBUG, INFO, WARNING, ERROR or CRITICAL (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run(sub)
     _add_coordinator(sub)

@@ -78,7 +78,10 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         self.settings = settings
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = os.path.abspath(settings.run_dir or os.path.join("unbroken-runs", f"{stamp}-{os.getpid()}"))
-        os.makedirs(os.path.join(self.run_dir, "workers"), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(self.run_dir, "workers"), exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot make the run directory {self.run_dir} ({exc.strerror}); choose another with --run-dir") from None
         self.events = EventLog.for_run_dir(self.run_dir, f"launcher:{settings.node}")
         policy = settings.restart_policy()
         # one slot per replica group (--group-size processes; a lone process when it is 1): the

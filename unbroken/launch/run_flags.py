@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING, Any, Mapping
 
 from unbroken.errors import ConfigError
-from unbroken.launch.torchrun_habits import nproc_per_node, positive_int, refuse_torchrun_flags
+from unbroken.launch.torchrun_habits import log_level, nproc_per_node, port_number, positive_int, refuse_torchrun_flags
 
 if TYPE_CHECKING:
     from unbroken.launch.launch_settings import LaunchSettings
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 def log_level_flag(parser: argparse.ArgumentParser) -> None:
     """``--log-level`` after the command too (``unbroken run --log-level INFO``), as torchrun users
     write it; given before the command it works as well."""
-    parser.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level of unbroken itself (default WARNING)")
+    parser.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS,
+                        help="logging level of unbroken itself: DEBUG, INFO, WARNING, ERROR or CRITICAL (default WARNING)")
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
@@ -81,7 +82,7 @@ def _add_run_coordinator(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
           help="address the embedded coordinator binds (default 127.0.0.1; with --etcd or --ha: 0.0.0.0, advertised as --node-name)")
     _flag(p, "--coordinator-advertise", default=None,
           help="with --etcd: the address other nodes reach this node's coordinator candidate and store at (default: --node-name)")
-    _flag(p, "--coordinator-port", type=int, default=d["coordinator_port"].default, help="port of the embedded coordinator (default 0: any free)")
+    _flag(p, "--coordinator-port", type=port_number, default=d["coordinator_port"].default, help="port of the embedded coordinator (default 0: any free)")
     _flag(p, "--node-name", default=None, help="name of this node (default: host name)")
     _flag(p, "--heartbeat-interval", type=float, default=d["heartbeat_interval"].default, help="seconds between heartbeats (default %(default)s)")
     _flag(p, "--heartbeat-timeout", type=float, default=d["heartbeat_timeout"].default, help="silence that declares a worker dead (default %(default)s)")
@@ -142,7 +143,7 @@ def _add_run_replication(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
     _flag(p, "--ha", action="store_true",
           help="under SLURM: the first three nodes each run an etcd member, every node a coordinator candidate;"
           " needs 3 or more nodes and the etcd binary on PATH")
-    _flag(p, "--etcd-port", type=int, default=2379, help="with --ha: etcd's client port; the peer port is the next (default %(default)s)")
+    _flag(p, "--etcd-port", type=port_number, default=2379, help="with --ha: etcd's client port; the peer port is the next (default %(default)s)")
 
 
 _positive_int = positive_int

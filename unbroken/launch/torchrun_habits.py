@@ -68,6 +68,32 @@ def nproc_per_node(text: str) -> int:
     return positive_int("--nproc-per-node", text, ", gpu, cpu or auto")
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535; anything else is refused with
+    argparse's exit status 2 and a message, before anything binds."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port must be a whole number from 0 to 65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be from 0 to 65535, got {value}")
+    return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a logging level's name, in any case."""
+    import argparse
+
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"the log level must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.upper()
+
+
 def positive_int(flag: str, text: str, or_else: str = "") -> int:
     """``text`` as the positive integer ``flag`` takes, or a :class:`ConfigError` naming both
     (``or_else``: the words the flag takes besides, for the message)."""

@@ -421,3 +421,31 @@ def test_unbroken_run_freezes_its_heap_before_the_interpreter_exits(tmp_path, ca
     finally:
         gc.unfreeze()
     assert "training script not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--coordinator-port", "70000", "--nproc-per-node", "1", "train.py"], "a port must be from 0 to 65535, got 70000"),
+    (["run", "--coordinator-port", "-1", "--nproc-per-node", "1", "train.py"], "got -1"),
+    (["run", "--log-level", "LOUD", "--nproc-per-node", "1", "train.py"], "the log level must be one of"),
+    (["--log-level", "LOUD", "status", "127.0.0.1:1"], "the log level must be one of"),
+    (["coordinator", "--port", "99999"], "a port must be from 0 to 65535"),
+])
+def test_bad_ports_and_log_levels_are_refused_with_exit_2_and_one_line(argv, says, capsys):
+    from unbroken.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_a_run_directory_that_cannot_be_made_is_refused_with_exit_2(capsys, tmp_path):
+    from unbroken.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["run", "--run-dir", str(blocker / "x"), "--nproc-per-node", "1", str(script)]) == 2
+    assert "cannot make the run directory" in capsys.readouterr().err
