@@ -322,11 +322,23 @@ def _become_child(sock: socket.socket, request: dict[str, Any], out_fd: int, wak
     # a forked worker's parent is the zygote: it dies with it (and the zygote with the launcher)
     if "UNBROKEN_LAUNCHER_PID" in env:
         env["UNBROKEN_LAUNCHER_PID"] = str(os.getppid())
+    _set_command_line(request)  # before the environment is replaced (setproctitle moves it)
     os.environ.clear()
     os.environ.update(env)
     _set_name(os.path.basename(sys.executable))
     os.close(ready)
     raise _BecomeWorker(request)
+
+
+def _set_command_line(request: dict[str, Any]) -> None:
+    """Show the worker as ``python train.py ARGS`` (``/proc/PID/cmdline``), the command it runs,
+    not the zygote's: ``ps``, ``pgrep -f train.py``, ``top`` and ``py-spy`` find it by name."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # an install without it: the zygote's command line stays
+        return
+    argv = [sys.executable, *(["-m"] if request["module"] else []), *request["argv"]]
+    setproctitle(" ".join(argv))
 
 
 def _set_name(name: str) -> None:

@@ -23,6 +23,8 @@ SCRIPT = textwrap.dedent(
         "sid": os.getsid(0), "pgid": os.getpgid(0), "pid": os.getpid(),
         "threads": torch.get_num_threads(), "cuda": torch.cuda.is_initialized(),
         "comm": open("/proc/self/comm").read().strip(),
+        "cmdline": open("/proc/self/cmdline").read().rstrip("\\0").replace("\\0", " "),
+        "in_flight": sys.exc_info()[0] is not None,
         "optimizer_imports": "torch._dynamo" in sys.modules,
         "frozen": __import__("gc").get_freeze_count(),
     }), flush=True)
@@ -68,6 +70,8 @@ def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_com
         assert f.read().strip() == "unbroken-zygote"
     assert lines[1] == "to stderr"  # stderr goes with stdout
     assert seen["comm"] == os.path.basename(sys.executable)[:15]  # its interpreter's name, not the zygote's
+    assert seen["cmdline"].split() == [sys.executable, str(script), "3"]  # ps and pgrep -f find it by its script
+    assert seen["in_flight"] is False  # the script runs outside the zygote's exception handler
     assert time.monotonic() - started < 60
 
 
@@ -97,7 +101,10 @@ def test_a_worker_killed_by_a_signal_reports_it_as_popen_does_and_a_traceback_ex
     failing.write_text("raise ValueError('a bad setting')\n")
     proc = zygote.start([str(failing)], False, dict(zygote.env))
     assert proc.wait(timeout=30) == 1
-    assert _output(proc)[-1] == "ValueError: a bad setting"
+    lines = _output(proc)
+    # the traceback python failing.py prints: the script's frames only, nothing chained
+    assert lines == ["Traceback (most recent call last):", f'  File "{failing}", line 1, in <module>',
+                     "    raise ValueError('a bad setting')", "ValueError: a bad setting"], lines
 
 
 def test_a_replica_groups_processes_share_one_process_group(zygote, tmp_path):
