@@ -55,6 +55,7 @@ parser.add_argument("--break-alone-at", type=int, default=None, help="the leader
 parser.add_argument("--raise-after-commit", type=int, default=None, help="every member raises after committing this step")
 parser.add_argument("--eval-raises", action="store_true", help="the evaluation raises (on the leader, where it runs)")
 parser.add_argument("--eval-collective", action="store_true", help="the evaluation makes a torch.distributed all_reduce")
+parser.add_argument("--eval-at-start", action="store_true", help="job.on_leader at the top of step 0's body (nanoGPT's evaluation at iteration 0)")
 parser.add_argument("--eval-before-loop", action="store_true", help="call job.on_leader before job.steps()")
 parser.add_argument("--break-at", type=int, default=None, help="every member leaves the loop with break after committing this step")
 parser.add_argument("--break-before", type=int, default=None, help="every member leaves the loop with break at the top of this step")
@@ -188,6 +189,9 @@ for step in job.steps(total=args.steps):
         break
     if args.raise_at_step is not None and step.index == args.raise_at_step:
         raise RuntimeError(f"deliberate failure at step {step.index}")
+    if args.eval_at_start and step.index == 0:
+        at_start = job.on_leader(lambda: {"loss": torch.nn.functional.mse_loss(model(x[:32].to(device)), y[:32].to(device)).item()})
+        print(f"START EVAL {at_start['loss']:.6f}", flush=True)
     if args.manual_lr:
         for group in optimizer.param_groups:
             group["lr"] = 0.05 / (1.0 + 0.1 * step.index)

@@ -90,6 +90,18 @@ def test_a_collective_inside_the_leaders_function_is_refused_at_once(tmp_path):
     assert not run.events("failure"), run.events("failure")  # refused before anything was sent: no generation broke
 
 
+def test_an_evaluation_at_the_top_of_step_0_reaches_every_member(tmp_path):
+    run_dir = str(tmp_path / "run")
+    run = harness.unbroken(run_dir, "--nproc-per-node", "3", "--record-samples", *FAST, harness.EXACT, "--steps", "6",
+                           "--eval-at-start", "--out", f"{run_dir}/final", timeout=180)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
+    logs = [open(os.path.join(run_dir, "workers", f"w{i}.log")).read() for i in range(3)]
+    seen = {line for log in logs for line in log.splitlines() if line.startswith("START EVAL")}
+    assert len(seen) == 1 and all("START EVAL" in log for log in logs), seen  # the same result on every member
+    harness.check_exactly_once(run_dir, 6, GLOBAL)
+
+
 def test_on_leader_before_the_loop_is_refused_with_a_clear_error(tmp_path):
     run, _ = _failing(tmp_path, "--eval-before-loop")
     assert "was called before job.steps()" in run.stdout + run.stderr, run.stderr[-3000:]
