@@ -45,10 +45,11 @@ SCRIPT = os.path.join(HERE, "rejoin_step.py")
 def trial(directory: str, state_gb: float, steps: int, kill_step: int, rejoin: str) -> dict:
     run_dir, commits, out = (os.path.join(directory, name) for name in ("run", "commits.jsonl", "final"))
     script = [SCRIPT, "--state-gb", str(state_gb), "--steps", str(steps)]
-    run = harness.unbroken(run_dir, "--nproc-per-node", "3", "--chaos", f"kill@step,rank=2,step={kill_step}",
+    run = harness.unbroken(run_dir, "--nproc-per-node", "3", "--record-samples", "--chaos", f"kill@step,rank=2,step={kill_step}",
                            *script, "--commits", commits, "--out", out, timeout=1800, env={"UNBROKEN_REJOIN": rejoin})
     if run.code != 0:
         raise SystemExit(f"the run failed (exit {run.code}):\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    harness.check_commits(run_dir)  # the shared invariant checker, as the tests end
     generations = run.events("generation")
     back = next(g for g in generations if any(".w2.r1" in m for m in g["members"]))
     by_member = harness.jsonl_by(commits, "member")
@@ -76,6 +77,7 @@ def trial(directory: str, state_gb: float, steps: int, kill_step: int, rejoin: s
             "heal_s": heal["seconds"] if heal else None, "heal_bytes": heal["bytes"] if heal else None,
             "catch_up_s": caught["seconds"] if caught else None, "replayed": caught["replayed"] if caught else None,
             "caught_up": bool(caught and caught["loaded"] and caught["error"] is None and heal is None),
+            "verified": bool(caught and caught.get("verified")),
             "finished_members": len(finals), "max_relative_difference": worst, "same_model": worst < 1e-8 and len(finals) == 3}
 
 
