@@ -44,12 +44,12 @@ from unbroken.errors import ConfigError
 from unbroken.integrations.driven_loop import (
     CommittedScheduler,
     CommittingOptimizer,
-    OPEN_ENDED,
     DrivenLoop,
     EvaluationBatches,
     TrainingBatches,
     UnsupportedFeature,
     default_collate_or,
+    job_total,
     plan_steps,
     refuse,
 )
@@ -125,12 +125,7 @@ class Accelerator:
         micro = train.batch_size
         global_batch = self._global_batch_size or micro * self.gradient_accumulation_steps
         steps_per_epoch = plan_steps(train, global_batch)
-        if self._max_steps is not None:
-            total = self._max_steps
-        elif self._num_epochs is not None:
-            total = steps_per_epoch * self._num_epochs
-        else:
-            total = OPEN_ENDED  # the script's epoch loop decides: the job ends where every worker stops iterating
+        total = job_total(self._max_steps, self._num_epochs, steps_per_epoch)
         self._loop = DrivenLoop(
             total, model=model, optimizer=optimizers[0], dataset=train.dataset, global_batch_size=global_batch,
             micro_batch_size=micro, seed=self._seed, scheduler=schedulers[0] if schedulers else None,

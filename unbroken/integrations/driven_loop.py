@@ -262,6 +262,16 @@ class CommittedScheduler:
         return getattr(self.scheduler, name)
 
 
+def job_total(max_steps: int | None, num_epochs: int | None, steps_per_epoch: int) -> int:
+    """The job's steps: ``max_steps``, or ``num_epochs`` passes of ``steps_per_epoch``; with
+    neither, :data:`OPEN_ENDED` (the script's epoch loop decides where the job ends)."""
+    if max_steps is not None:
+        return max_steps
+    if num_epochs is not None:
+        return steps_per_epoch * num_epochs
+    return OPEN_ENDED
+
+
 def plan_steps(loader: torch.utils.data.DataLoader, global_batch: int) -> int:
     """Steps per epoch of a map-style training loader at ``global_batch`` samples per step."""
     if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_size is None:

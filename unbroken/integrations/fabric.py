@@ -44,13 +44,13 @@ import torch
 from unbroken.errors import ConfigError
 from unbroken.integrations.driven_loop import (
     CommittingOptimizer,
-    OPEN_ENDED,
     DrivenLoop,
     adopt_scheduler,
     EvaluationBatches,
     TrainingBatches,
     UnsupportedFeature,
     default_collate_or,
+    job_total,
     plan_steps,
     refuse,
 )
@@ -131,12 +131,7 @@ class Fabric:
             raise _refuse("a batch sampler (unbroken plans the samples of each step: give the DataLoader a batch_size)")
         global_batch = self._global_batch_size or train.batch_size * self.accumulate
         steps_per_epoch = plan_steps(train, global_batch)
-        if self._max_steps is not None:
-            total = self._max_steps
-        elif self._num_epochs is not None:
-            total = steps_per_epoch * self._num_epochs
-        else:
-            total = OPEN_ENDED  # the script's epoch loop decides: the job ends where every worker stops iterating
+        total = job_total(self._max_steps, self._num_epochs, steps_per_epoch)
         self._loop = DrivenLoop(total, model=self._model, optimizer=self._optimizer, dataset=train.dataset,
                                 global_batch_size=global_batch, micro_batch_size=train.batch_size, seed=self._seed,
                                 collate_fn=default_collate_or(train), scheduler=self._scheduler,

@@ -3,17 +3,9 @@ coordinator holds is carried into every generation formed after it; a divergence
 
 from __future__ import annotations
 
-from unbroken.coordinator.membership import Membership, MembershipSettings
+from tests.unit.coordinator.test_catch_up import _running
+from unbroken.coordinator.membership import MembershipSettings
 from unbroken.worker.join_request import formed_from_view
-
-
-def _running(*ids: str) -> Membership:
-    m = Membership(MembershipSettings(heartbeat_timeout=5.0, expected_members=len(ids)))
-    for i, member_id in enumerate(ids):
-        m.join(member_id, "node", pid=i, step=0, now=0.0)
-    generation, decision = m.maybe_form(0.0)
-    assert generation is not None, decision.reason
-    return m
 
 
 def test_a_stop_request_is_carried_by_every_generation_formed_after_it_and_the_earliest_wins():
