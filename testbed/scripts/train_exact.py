@@ -55,6 +55,7 @@ parser.add_argument("--break-alone-at", type=int, default=None, help="the leader
 parser.add_argument("--raise-after-commit", type=int, default=None, help="every member raises after committing this step")
 parser.add_argument("--eval-raises", action="store_true", help="the evaluation raises (on the leader, where it runs)")
 parser.add_argument("--eval-collective", action="store_true", help="the evaluation makes a torch.distributed all_reduce")
+parser.add_argument("--collective-per-micro", action="store_true", help="dist.all_reduce of each micro-batch's loss after its step.backward")
 parser.add_argument("--eval-at-start", action="store_true", help="job.on_leader at the top of step 0's body (nanoGPT's evaluation at iteration 0)")
 parser.add_argument("--eval-before-loop", action="store_true", help="call job.on_leader before job.steps()")
 parser.add_argument("--break-at", type=int, default=None, help="every member leaves the loop with break after committing this step")
@@ -225,6 +226,14 @@ for step in job.steps(total=args.steps):
             step.backward(((model(xb) - yb) ** 2 * mask).sum(), count=mask.sum())
             continue
         xb, yb = xb.to(device), yb.to(device)
+        if args.collective_per_micro:  # as a DDP script logs its loss: a collective per micro-batch
+            import torch.distributed as dist
+
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            step.backward(loss)
+            if dist.is_initialized():
+                dist.all_reduce(loss.detach().clone())
+            continue
         if args.metrics_log:
             out = model(xb)
             mse.update(out.detach(), yb)

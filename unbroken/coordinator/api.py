@@ -257,12 +257,13 @@ class CoordinatorApi(LineWatch):
             self._bump()
         return self._reply({"ok": True})
 
-    async def _diverged(self, request):
-        """A member found the replicas different (:class:`~unbroken.errors.ReplicaDivergence`): the
-        protocol was broken somewhere, and no member's model can be vouched for. The job fails
-        with the reason (recorded in etcd too): nobody re-forms, restarts or finishes from it."""
+    async def _fail_job(self, request):
+        """A member found what no restart mends: replicas that differ
+        (:class:`~unbroken.errors.ReplicaDivergence`: no member's model can be vouched for), or
+        members whose script makes different collectives. The job fails with the reason
+        (recorded in etcd too): nobody re-forms, restarts or finishes from it."""
         body = await self._json(request)
-        reason = f"replicas diverged: {str(body.get('reason') or 'members hold different parameters')[:500]}"
+        reason = str(body.get("reason") or "a member failed the job")[:1000]
         if not self.state.failed:
             self.state.failed = reason
             self.state.version += 1

@@ -28,7 +28,8 @@ that return as soon as the answer changes, or after ``hold`` seconds with the cu
 ``POST /v1/stop``           ``{member, step, reason}``: ``job.stop(reason)``, durable before it returns: no
                             step at or after ``step`` is trained; every generation formed from then on
                             carries it in its join replies (``stop``).
-``POST /v1/diverged``       ``{member, reason}``: a replica check found different parameters: the job fails.
+``POST /v1/fail_job``       ``{member, reason}``: what no restart mends (replicas that differ, members whose script
+                            makes different collectives): the job fails with the reason.
 ``POST /v1/catch_up_off``   ``{member, reason}``: a catch-up's replay differed from its donor's state;
                             newcomers are healed from now on.
 ``POST /v1/leave``          ``{member, finished, step}``: a member left (``finished``: job done).
@@ -189,7 +190,7 @@ class Coordinator(CoordinatorApi, LineRequests, Leading, LongPolls):
                 web.post("/v1/exit", self._exit),
                 web.post("/v1/catch_up_off", self._catch_up_off),
                 web.post("/v1/stop", self._stop),
-                web.post("/v1/diverged", self._diverged),
+                web.post("/v1/fail_job", self._fail_job),
                 web.post("/v1/leave", self._leave),
                 web.post("/v1/quarantine", self._quarantine),
                 web.get("/v1/status", self._status),

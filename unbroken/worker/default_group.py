@@ -12,7 +12,9 @@ whose collectives run on the generation's own group and are waited on as the gra
 watching the coordinator's verdicts instead of only a timeout. When one fails (a member was lost)
 inside a step, before its commit, the collective returns (its output is undefined) and the step
 is redone in the next generation, like a failed gradient reduce; the script's own collective is
-redone with it. Outside a step (after the commit) the failure is raised as
+redone with it. Inside a step's body they go over a group of their own and meet every member
+first (:mod:`unbroken.worker.script_collectives`): members that make different collectives fail
+the job with :class:`~unbroken.errors.LoopMisuse` instead of aborting the process in Gloo. Outside a step (after the commit) the failure is raised as
 :class:`~unbroken.errors.GenerationFailed` with a message that says to move the collective
 into the step. Replica groups keep torch.distributed's default group for their own mesh
 (:func:`unbroken.group_mesh`), so this is only installed for plain members.
@@ -82,11 +84,13 @@ class GenerationProcessGroup(dist.ProcessGroup):
     collective return (the step will be redone) or raises."""
 
     def __init__(self, group: "GenerationGroup", failed: Callable[[GenerationFailed], None],
-                 check: Callable[[str], None] = lambda op: None) -> None:
+                 check: Callable[[str], None] = lambda op: None,
+                 route: Callable[[str, tuple], Any] = lambda op, args: None) -> None:
         super().__init__(group.rank, group.size)
         self._generation = group
         self._failed = failed
         self._check = check
+        self._route = route
         backend_type = dist.ProcessGroup.BackendType.NCCL if group.backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
         self._set_default_backend(backend_type)
         self._register_backend(torch.device(group.device.type), backend_type, group.pg)
@@ -104,8 +108,9 @@ class GenerationProcessGroup(dist.ProcessGroup):
         what = f"the script's {op}"
         self._check(op)  # refused before any byte is sent (a collective inside job.on_leader)
         try:
+            pg = self._route(op, args) or group.pg  # inside a step: a group of their own, met in the store first
             try:
-                work = getattr(group.pg, WATCHED[op])(*args, **kwargs)
+                work = getattr(pg, WATCHED[op])(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - whatever the backend raises, the generation failed
                 raise GenerationFailed(f"generation {group.number}: {what} failed to start: {exc}") from None
             group.wait(group._issued(work), what)
@@ -151,9 +156,11 @@ class DefaultGroup:
     generation this member is in (see the module's docstring)."""
 
     def __init__(self, failed: Callable[[GenerationFailed], None], release: Callable[[Any], None] = lambda pg: None,
-                 check: Callable[[str], None] = lambda op: None) -> None:
+                 check: Callable[[str], None] = lambda op: None,
+                 route: Callable[[str, tuple], Any] = lambda op, args: None) -> None:
         self._failed = failed
         self._check = check
+        self._route = route
         self._release = release
         """Takes a past generation's default group when the next one forms, to drop it where a
         slow destructor holds up nothing (:meth:`unbroken.worker.graveyard.Graveyard.bury`)."""
@@ -169,7 +176,7 @@ class DefaultGroup:
         past = self._forget()
         if past is not None:
             self._release(past)
-        pg = GenerationProcessGroup(group, self._failed, self._check)
+        pg = GenerationProcessGroup(group, self._failed, self._check, self._route)
         c10d._update_default_pg(pg)
         c10d._world.pg_map[pg] = (group.backend, group.store)
         c10d._world.pg_names[pg] = "default_pg"

@@ -91,6 +91,12 @@ class GenerationGroup:
         self.works: list[Any] = []
         """Collectives issued on this group that may still be pending (completed ones are pruned)."""
         self.side_groups: list[tuple[Any, Any]] = []
+        self.script: Any = None
+        """This member's :class:`~unbroken.worker.script_collectives.ScriptCollectives` in this
+        generation, made when the script's first collective inside a step comes."""
+        self.also_check: Callable[[], None] | None = None
+        """Called after each idle slice of a wait (a second without news): a step's gradient
+        exchange says there how many collectives of its own the script made (it may raise)."""
         """(purpose, group) of groups made within this generation for one purpose (a heal's
         lanes): they live as long as this one, so that they are released with it, once nothing
         can be pending on them."""
@@ -189,8 +195,10 @@ class GenerationGroup:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GenerationFailed(f"generation {self.number}: {what} timed out after {self.timeout:.1f} s")
-            self._wake.wait(min(remaining, poll))
+            woken = self._wake.wait(min(remaining, poll))
             self._wake.clear()
+            if not woken and self.also_check is not None:
+                self.also_check()
 
     # -- flags: waits that tolerate a peer's long deliberate work --------------------------------
 

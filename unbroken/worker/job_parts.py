@@ -57,6 +57,7 @@ class SteppingJob(Protocol):
     _chaos: Chaos
     _joiner: Any  # a Joiner (unbroken.worker.joining)
     _donor: Any  # a Donor (unbroken.worker.catch_up)
+    _default_group: Any  # a DefaultGroup (unbroken.worker.default_group), or None
 
     def _grad_count(self) -> int: ...
 

@@ -67,13 +67,15 @@ def pacing(settings: RuntimeSettings, distributed: bool, plan: DataPlan, group: 
 def default_group(settings: RuntimeSettings, distributed: bool, group: GroupMember | None,
                   script_collective_failed: Callable[[GenerationFailed], None],
                   release: Callable[[Any], None],
-                  check: Callable[[str], None] = lambda op: None) -> DefaultGroup | None:
+                  check: Callable[[str], None] = lambda op: None,
+                  route: Callable[[str, tuple], Any] = lambda op, args: None) -> DefaultGroup | None:
     """The default group that follows each generation (:mod:`unbroken.worker.default_group`), for a
     plain member of a distributed job that wants one; None alone or in a replica group. A past
     generation's default group goes to ``release`` (the graveyard's bury); ``check(op)`` may refuse
-    a collective of the script's before it starts (one inside ``job.on_leader``)."""
+    a collective of the script's before it starts (one inside ``job.on_leader``); ``route(op, args)``
+    gives the group a collective inside a step goes over (:mod:`unbroken.worker.script_collectives`)."""
     if distributed and group is None and settings.default_group:
         from unbroken.worker.default_group import DefaultGroup
 
-        return DefaultGroup(script_collective_failed, release, check)
+        return DefaultGroup(script_collective_failed, release, check, route)
     return None

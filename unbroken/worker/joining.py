@@ -214,15 +214,16 @@ class Joiner:
                     if self._form(self._relay(reply)):
                         return True
 
-    def report_divergence(self, reason: str) -> None:
-        """The replicas differ: the job fails, recorded by the coordinator (and etcd), so that no
-        member re-forms alone, passes its own check and finishes with a model nobody can vouch for."""
+    def report_job_failure(self, reason: str) -> None:
+        """Something no restart can mend (replicas that differ, members whose script makes
+        different collectives): the job fails, recorded by the coordinator (and etcd), so that no
+        member re-forms alone, passes its own check and finishes, and no slot restarts into it."""
         if self.client is None:
             return  # a process of a replica group other than 0: process 0 found the same
         try:
-            self.client.post("/v1/diverged", member=self.job.member_id, reason=reason[:500])
+            self.client.post("/v1/fail_job", member=self.job.member_id, reason=reason[:1000])
         except UnbrokenError as exc:
-            log.warning("%s: could not report the divergence: %s", self.job.member_id, exc)
+            log.warning("%s: could not report the job's failure: %s", self.job.member_id, exc)
 
     def request_stop(self, step: int, reason: str) -> None:
         """Make ``job.stop(reason)`` durable before it returns: the coordinator carries it into

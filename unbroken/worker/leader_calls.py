@@ -77,7 +77,7 @@ def wait_for(group: "GenerationGroup", done: Callable[[], bool], what: str) -> N
 def _checked(group: "GenerationGroup", done: Callable[[], bool], what: str) -> bool:
     try:
         return done()
-    except GenerationFailed:
+    except (GenerationFailed, LoopMisuse):
         raise
     except Exception as exc:  # noqa: BLE001 - the store's errors are bare RuntimeErrors
         raise GenerationFailed(f"generation {group.number}: {what}: store unreachable: {exc}") from None

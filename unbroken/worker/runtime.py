@@ -169,7 +169,7 @@ class Job:
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
         self._default_group = job_setup.default_group(self.settings, self.distributed, self._group,
                                                       self._loop_guard.script_collective_failed, self._joiner.graveyard.bury,
-                                                      self._loop_guard.check_script_collective)
+                                                      self._loop_guard.check_script_collective, self._script_route)
 
     def _init_progress(self) -> None:
         """Where this member stands: no step committed, no generation joined, no live state."""
@@ -235,6 +235,18 @@ class Job:
             if step is not None and self._loop_guard.in_body:  # the leader's work is not its pace (stragglers)
                 step.paused += time.monotonic() - entered
 
+    def _script_route(self, op: str, args: tuple) -> Any:
+        """The group a collective of the script's own goes over: inside a step's body, before
+        its commit, the one the script's collectives have to themselves, met in the store first
+        (:mod:`unbroken.worker.script_collectives`); elsewhere None (the generation's)."""
+        step, group = self._loop_guard.step, self._joiner.group
+        if (not self._loop_guard.in_body or step is None or step.committed or step.failed or group is None
+                or group.number != step.generation):
+            return None
+        from unbroken.worker.script_collectives import for_group
+
+        return for_group(group, self._joiner.report_job_failure).begin(step.index, op, args)
+
     def _rejoin(self, reason: str | None) -> bool:
         """Leave the broken generation (for ``reason``) and join the next, inside the loop body
         (an :meth:`on_leader` call whose leader died); False if the job finished meanwhile."""
@@ -290,7 +302,7 @@ class Job:
             found = verify_replicas(self.model, self._joiner.group, self._abandon, self._events, self.member_id,
                                     self.next_step, self.generation)
         except ReplicaDivergence as exc:
-            self._joiner.report_divergence(str(exc))  # a failed job, before any member can re-form from it
+            self._joiner.report_job_failure(f"replicas diverged: {exc}")  # before any member can re-form from it
             raise
         if found is None:
             return False

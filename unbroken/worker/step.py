@@ -209,6 +209,14 @@ class Step:
             self.loss = self._normalise(loss, self._count, 1.0 if self._counting else 0.0)
             self._reduced = True
             return True
+        group = job._joiner.group
+        if job._default_group is not None and group is not None:
+            # a member that waits here while another waits in a collective of the script's own
+            # that this member never made: both learn it (unbroken.worker.script_collectives)
+            from unbroken.worker.script_collectives import for_group
+
+            script = for_group(group, job._joiner.report_job_failure)
+            group.also_check = lambda: script.in_exchange(self.index)
         try:
             flag, loss, count, counting, stop = self._reduce_shared()
             if stop > 0:
@@ -222,6 +230,9 @@ class Step:
             # the abandoned group's sockets) in a cycle with this step
             self.failed, self.error, self._reduced = True, exc.with_traceback(None), False
             self._discard()
+        finally:
+            if group is not None:
+                group.also_check = None
         return self._reduced
 
     def _stop(self) -> bool:

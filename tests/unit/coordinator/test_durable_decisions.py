@@ -39,7 +39,7 @@ def test_a_stop_and_a_divergence_posted_to_the_coordinator():
         client = CoordinatorClient(f"127.0.0.1:{c.port}", timeout=5.0)
         client.post("/v1/stop", member="a", step=7, reason="enough")
         assert c.state.stop_request == {"step": 7, "reason": "enough"}
-        client.post("/v1/diverged", member="a", reason="members hold different parameters after step 9")
+        client.post("/v1/fail_job", member="a", reason="replicas diverged: members hold different parameters after step 9")
         assert c.state.failed and "replicas diverged" in c.state.failed
         reply = client.post("/v1/join", read_timeout=5.0, member="b", node="n", pid=2, step=0, after=0, hold=0.2)
         assert reply["status"] == "failed" and "diverged" in reply["reason"], reply

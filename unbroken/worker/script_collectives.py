@@ -1,0 +1,200 @@
+"""The script's own collectives inside a step: the same ones on every member, or a clean error.
+
+A DDP script makes collectives of its own inside a step (``dist.all_reduce(loss)`` after each
+backward, Accelerate's ``gather`` per batch). Under DDP every rank holds the same number of
+micro-batches; under unbroken the members' shares differ (by one sample, or by the straggler
+balancer's split), so a collective per micro-batch is made a different number of times on
+different members. On the generation's own group that pairs one member's collective with
+another's gradient bucket, and Gloo aborts the process ("Received data size doesn't match
+expected size"), in every generation, until the slot is quarantined.
+
+So inside a step's body the script's collectives go over a group of their own (built at the
+first one of each generation, :attr:`ScriptCollectives.pg`), never mixed with the gradients, and
+each one first meets every member in the generation's store (:meth:`ScriptCollectives.begin`):
+the k-th collective of step s is made only once every member has announced its k-th, with the
+same operation, shapes and dtypes (two counters in the store; a few hundred microseconds per
+collective, and nothing for a step that makes none). A member that reached the step's gradient exchange with fewer
+collectives says so in the store while it waits there (:meth:`ScriptCollectives.in_exchange`,
+called from the exchange's idle wait slices: nothing in a healthy step). Either way every member
+learns that the rule was broken before any byte of the mismatched collective is sent; the job
+fails with :class:`~unbroken.errors.LoopMisuse` naming the rule, recorded by the coordinator, so
+that no restart repeats it.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from unbroken.errors import GenerationFailed, LoopMisuse
+
+if TYPE_CHECKING:
+    from unbroken.worker.group import GenerationGroup
+
+SLOW_CHECK = 1.0
+"""Seconds a collective waits for the others before it also looks for a member that already
+reached the gradient exchange with fewer collectives (a store read per member each poll)."""
+
+RULE = ("every member must make the same collectives of its own in every step, and members hold different"
+        " numbers of micro-batches (the shares of the global batch differ with the member count and the straggler"
+        " balancer): make a collective once per step, after the micro-batch loop (sum the losses locally, then one"
+        " dist.all_reduce before step.commit())")
+
+
+def signature(op: str, args: tuple[Any, ...]) -> str:
+    """What must be the same on every member for a collective to pair: the operation and its
+    tensors' shapes and dtypes."""
+    tensors: list[torch.Tensor] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+
+    collect(args[:2])
+    return op + ";" + ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+
+
+class ScriptCollectives:
+    """One member's collectives of its own in one generation (see the module's docstring).
+
+    Args:
+        group: the generation's group.
+        fail_job: records the job as failed with a reason (the coordinator), before raising.
+        build: makes the group the collectives go over (called once, by every member at once).
+    """
+
+    def __init__(self, group: "GenerationGroup", fail_job: Callable[[str], None], build: Callable[[], Any]) -> None:
+        self.group = group
+        self._fail_job = fail_job
+        self._build = build
+        self.pg: Any = None
+        self.step: int | None = None
+        self.count = 0
+        """Collectives made in :attr:`step` so far."""
+        self._announced_exchange: int | None = None
+        self._keys: list[tuple[int, str, str]] = []
+        """(step, counters) of the collectives made, for rank 0 to delete once they are done."""
+
+    def begin(self, step: int, op: str, args: tuple[Any, ...]) -> Any:
+        """Meet every member at this member's next collective of ``step``; returns the group to
+        make it on. Raises :class:`LoopMisuse` if members differ, :class:`GenerationFailed` if
+        the generation broke meanwhile.
+
+        Two counters in the store per collective: every member adds to ``script/s/k`` (who has
+        arrived) and to ``script/s/k/<signature>`` (who has arrived with this signature); the
+        collective is made when the second reaches the generation's size, and the members differ
+        when the first does and the second does not."""
+        from unbroken.worker.leader_calls import wait_for
+
+        if step != self.step:
+            if self.step is not None and self.group.rank == 0:
+                self._forget(self.step, self.count)
+            self.step, self.count = step, 0
+        self.count += 1
+        k, group, mine = self.count, self.group, signature(op, args)
+        arrived, alike = f"script/{step}/{k}", f"script/{step}/{k}/{zlib.crc32(mine.encode()):08x}"
+        self._keys.append((step, arrived, alike))
+        # alike before arrived, by every member: once ``arrived`` is full, every ``alike`` is in
+        alike_now = _store(group, lambda: group.store.add(alike, 1))
+        _store(group, lambda: group.store.add(arrived, 1))
+        if alike_now < group.size:
+            began = time.monotonic()
+
+            def everyone() -> bool:
+                if _store(group, lambda: group.store.add(alike, 0)) >= group.size:
+                    return True
+                if (_store(group, lambda: group.store.add(arrived, 0)) >= group.size
+                        and _store(group, lambda: group.store.add(alike, 0)) < group.size):
+                    self._misuse(f"step {step}: the script's collective number {k} differs between members (this member's:"
+                                 f" {mine})")
+                if time.monotonic() - began > SLOW_CHECK:
+                    self._peer_left_fewer(step, k, mine)
+                return False
+
+            wait_for(group, everyone, f"waiting for every member at the script's {op}")
+        if self.pg is None:
+            self.pg = self._build()  # every member is here: they make it together
+        return self.pg
+
+    def _forget(self, step: int, count: int) -> None:
+        """Rank 0, at a new step: drop the counters of the steps before the last (the others
+        may still be reading the last step's). Keeps the store from growing with the job."""
+        keep = [entry for entry in self._keys if entry[0] >= step]
+        for _, arrived, alike in (entry for entry in self._keys if entry[0] < step):
+            for key in (arrived, alike):
+                try:
+                    self.group.store.delete_key(key)
+                except Exception:  # noqa: BLE001 - a counter left behind costs a few bytes, nothing else
+                    pass
+        self._keys = keep
+
+    def in_exchange(self, step: int) -> None:
+        """This member waits in ``step``'s gradient exchange (called from its idle wait slices):
+        say how many collectives it made, and fail if a member waits for one more."""
+        made = self.count if self.step == step else 0
+        group = self.group
+        if self._announced_exchange != step:
+            _store(group, lambda: group.store.set(f"script/{step}/x/{group.rank}", str(made).encode()))
+            self._announced_exchange = step
+        beyond = f"script/{step}/{made + 1}"
+        if _store(group, lambda: group.store.check([beyond])) and _store(group, lambda: group.store.add(beyond, 0)) > 0:
+            self._misuse(f"step {step}: a member of generation {group.number} waits in its script collective number"
+                         f" {made + 1}, and this member reached the gradient exchange after {made}")
+
+    def _peer_left_fewer(self, step: int, k: int, mine: str) -> None:
+        group = self.group
+        for r in range(group.size):
+            name = f"script/{step}/x/{r}"
+            if r != group.rank and _store(group, lambda n=name: group.store.check([n])):
+                made = int(_store(group, lambda n=name: group.store.get(n)))
+                if made < k:
+                    self._misuse(f"step {step}: member {r} of generation {group.number} reached the gradient exchange after"
+                                 f" {made} collective(s) of the script's own, and this member makes number {k} ({mine})")
+
+    def _misuse(self, what: str) -> None:
+        message = f"{what}: {RULE}"
+        self._fail_job(message)
+        raise LoopMisuse(message)
+
+
+def _store(group: "GenerationGroup", call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the store's errors are bare RuntimeErrors
+        raise GenerationFailed(f"generation {group.number}: store unreachable at the script's collective: {exc}") from None
+
+
+def for_group(group: "GenerationGroup", fail_job: Callable[[str], None]) -> ScriptCollectives:
+    """``group``'s :class:`ScriptCollectives`, made at first use. Over Gloo the collectives get a
+    Gloo group of their own; over NCCL they stay on the generation's communicator (a second one
+    per generation costs more than it saves), still met in the store first."""
+    if group.script is None:
+        group.script = ScriptCollectives(group, fail_job, lambda: _side_group(group))
+    return group.script
+
+
+def _side_group(group: "GenerationGroup") -> Any:
+    if group.backend != "gloo":
+        return group.pg
+    import datetime
+
+    import torch.distributed as dist
+
+    from unbroken.worker.heal_lanes import _own_store
+    from unbroken.worker.torch_groups import _device
+
+    def build() -> Any:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=group.timeout)
+        options._devices = [_device(group.store_host)]
+        return dist.ProcessGroupGloo(_own_store(group, "script-group/"), group.rank, group.size, options)
+
+    pg = group.run_watched(build, "connecting the script's collectives' group")
+    group.side_groups.append(("script", pg))
+    return pg
