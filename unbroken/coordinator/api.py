@@ -15,6 +15,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
+from unbroken.coordinator.job_decisions import JobDecisions
 from unbroken.coordinator.line_requests import WRONG_TOKEN
 from unbroken.coordinator.line_watch import CONNECTION_CLOSED, LineWatch
 from unbroken.coordinator.membership import MemberState
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("unbroken.coordinator.server")  # moved out of the coordinator; its messages keep their logger
 
 
-class CoordinatorApi(LineWatch):
+class CoordinatorApi(JobDecisions, LineWatch):
     """The request handlers of :class:`~unbroken.coordinator.server.Coordinator`, which it is a base of,
     on the coordinator's own state."""
 
@@ -242,43 +243,6 @@ class CoordinatorApi(LineWatch):
             # a peer's process or host may be gone: the kernel's closing of its connection
             # reaches this loop within milliseconds of the failure the report describes
             asyncio.get_running_loop().call_later(0.02, self._check_generation_connections)
-        return self._reply({"ok": True})
-
-    async def _stop(self, request):
-        from aiohttp import web
-
-        body = await self._json(request)
-        step = body.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise web.HTTPBadRequest(text="expected {member, step: a non-negative integer, reason}")
-        reason = str(body.get("reason") or "stopped by the script")
-        if self.state.request_stop(step, reason):
-            self.events.emit("stop_requested", member=body["member"], step=step, reason=reason[:500])
-            self._bump()
-        return self._reply({"ok": True})
-
-    async def _fail_job(self, request):
-        """A member found what no restart mends: replicas that differ
-        (:class:`~unbroken.errors.ReplicaDivergence`: no member's model can be vouched for), or
-        members whose script makes different collectives. The job fails with the reason
-        (recorded in etcd too): nobody re-forms, restarts or finishes from it."""
-        body = await self._json(request)
-        reason = str(body.get("reason") or "a member failed the job")[:1000]
-        if not self.state.failed:
-            self.state.failed = reason
-            self.state.version += 1
-            log.error("job failed: %s", reason)
-            self.events.emit("job_failed", reason=reason, member=body["member"])
-            self._record_outcome_once()
-            self._bump()
-        return self._reply({"ok": True})
-
-    async def _catch_up_off(self, request):
-        body = await self._json(request)
-        reason = str(body.get("reason", "a catch-up failed to verify"))[:500]
-        if self.state.stop_catch_ups(reason):
-            self.events.emit("catch_up_off", member=body["member"], reason=reason)
-            self._bump()
         return self._reply({"ok": True})
 
     async def _exit(self, request):

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.coordinator.liveness import Liveness
+from unbroken.coordinator.catch_ups import CatchUps
+from unbroken.coordinator.job_requests import JobRequests
 from unbroken.coordinator.member_requests import MemberRequests
 from unbroken.store_keys import key_tag
 from unbroken.coordinator.member_records import (  # noqa: F401  (re-exported: the records and the rule live there)
@@ -64,7 +66,7 @@ from unbroken.coordinator.member_records import (  # noqa: F401  (re-exported: t
 
 
 @dataclass
-class Membership(Liveness, MemberRequests):
+class Membership(Liveness, MemberRequests, JobRequests, CatchUps):
     """The coordinator's state. Every mutating method returns True when the state changed.
 
     Member states change only through this class (:meth:`_enter`), which keeps the counts per
@@ -245,23 +247,6 @@ class Membership(Liveness, MemberRequests):
                                                f" {self.holder_step} or later (the waiting reach {best})")
         return None
 
-    def holders_gone(self, now: float) -> bool:
-        """Whether a new leader's first generation may form from behind :attr:`holder_step`: its
-        wait (:attr:`holder_deadline`) is over and no member of the last durable generation is
-        alive by this leader's view: none heartbeated within a heartbeat timeout (a member
-        blocked in its old generation's collective heartbeats while it waits), none waits with
-        the job's step. O(members of that generation)."""
-        if self.holder_deadline is not None and now < self.holder_deadline:
-            return False
-        timeout = self.settings.heartbeat_timeout
-        for member_id in self.holder_members:
-            if now - self.holder_heard.get(member_id, float("-inf")) < timeout:
-                return False
-            member = self.members.get(member_id)
-            if member is not None and member.state in (MemberState.WAITING, MemberState.ACTIVE) and member.step >= self.holder_step:
-                return False
-        return True
-
     def take_survivors(self, now: float) -> bool:
         """Take the survivors of a generation that a verdict broke as waiting to join the next one,
         when every one of them reports waiting in one of its collectives; True if it took them.
@@ -338,61 +323,6 @@ class Membership(Liveness, MemberRequests):
 
     # -- views ---------------------------------------------------------------------------------
 
-    def _catch_up(self, member: Member, address: str | None) -> bool:
-        """Start or end ``member``'s catching up (``address``: where its donor streams to). A
-        donor is the highest-ranked active member of the current generation that donates to
-        nobody else; without one, the member waits as an ordinary joiner (and is healed). Returns
-        True if anything changed."""
-        donor = None
-        if address is not None and self.current is not None and self.catch_up_off is None:
-            for candidate in reversed(self.current.members):
-                m = self.members.get(candidate)
-                if m is not None and m.state is MemberState.ACTIVE and self._donating.get(candidate, member.id) == member.id:
-                    donor = candidate
-                    break
-        if donor is None:
-            address = None  # nobody can donate now: it waits as any joiner does, and is healed
-        if member.catch_up == address and self._catching.get(member.id) == donor:
-            return False
-        previous = self._catching.pop(member.id, None)
-        if previous:
-            self._donating.pop(previous, None)
-            self.changed_members.add(previous)
-        member.catch_up = address
-        if donor is not None:
-            self._catching[member.id] = donor
-            self._donating[donor] = member.id
-            self.changed_members.add(donor)
-        self.version += 1
-        return True
-
-    def request_stop(self, step: int, reason: str) -> bool:
-        """Record a member's stop request: no step at or after ``step`` is trained (the earliest
-        request wins). True if it changed the request."""
-        if self.stop_request is not None and self.stop_request["step"] <= step:
-            return False
-        self.stop_request = {"step": int(step), "reason": str(reason)[:500]}
-        self.version += 1
-        return True
-
-    def stop_catch_ups(self, reason: str) -> bool:
-        """No newcomer catches up from now on (:attr:`catch_up_off`); those catching up are
-        healed instead. True the first time."""
-        if self.catch_up_off is not None:
-            return False
-        self.catch_up_off = reason
-        for member_id in list(self._catching):
-            if member_id in self.members:
-                self._catch_up(self.members[member_id], None)
-            else:
-                self._catching.pop(member_id, None)
-        self.version += 1
-        return True
-
-    def catching_up(self) -> int:
-        """Waiting members that catch up: they make nobody re-form. O(members catching up)."""
-        return sum(1 for m in self._catching if (member := self.members.get(m)) is not None and member.state is MemberState.WAITING)
-
     def reconfigure_wanted(self) -> bool:
         """True when members of the current generation should come to join a new one. O(1)."""
         if self.generation_state is GenerationState.BROKEN:
@@ -443,10 +373,3 @@ class Membership(Liveness, MemberRequests):
             "finished": self.finished,
             "failed": self.failed,
         }
-
-    def _donation_view(self, member_id: str) -> dict[str, Any]:
-        """For a donor: ``donate``, the member to stream its state to and where. O(1)."""
-        newcomer = self._donating.get(member_id)
-        if newcomer is None or newcomer not in self.members:
-            return {}
-        return {"donate": {"member": newcomer, "address": self.members[newcomer].catch_up}}

@@ -229,7 +229,9 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
             )
             return 1
         if finished and any(w.state is WorkerState.SUCCEEDED for w in self.workers):
-            losses = self._progress_lost()
+            from unbroken.observe.incidents import progress_lost
+
+            losses = progress_lost(self.run_dir)
             self._say("training finished" + "".join(f"; {lost}" for lost in losses))
             return 0
         failed = [w for w in self.workers if w.state is WorkerState.FAILED]
@@ -239,23 +241,6 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         else:
             self.reason = "workers exited before the job finished"
         return 1
-
-    def _progress_lost(self) -> list[str]:
-        """What the run's ``state_lost`` events say (:func:`~unbroken.observe.incidents.state_loss_text`),
-        each noting whether a checkpoint took the job back (a ``resume`` event after it) or none was configured."""
-        from unbroken.observe.incidents import state_loss_text
-        from unbroken.observe.run_log import load
-
-        try:
-            events = load([self.run_dir]).events
-        except (OSError, ValueError):
-            return []
-        lines = []
-        for i, event in enumerate(events):
-            if event.get("kind") == "state_lost":
-                resumed = any(e.get("kind") == "resume" for e in events[i + 1:])
-                lines.append(state_loss_text(event, checkpointing=True if resumed else False))
-        return lines
 
     def _job_finished(self) -> bool:
         """Whether the coordinator says the job finished (once seen, for good: under ``--ha`` the

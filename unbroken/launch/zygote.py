@@ -45,6 +45,10 @@ import threading
 import time
 from typing import Any
 
+from unbroken.launch.worker_start import run_worker as _run_worker
+from unbroken.launch.worker_start import set_command_line as _set_command_line
+from unbroken.launch.worker_start import set_name as _set_name
+
 from unbroken.launch.preload import prepare_for_forking
 from unbroken.parent_death import die_with
 
@@ -328,64 +332,6 @@ def _become_child(sock: socket.socket, request: dict[str, Any], out_fd: int, wak
     _set_name(os.path.basename(sys.executable))
     os.close(ready)
     raise _BecomeWorker(request)
-
-
-def _set_command_line(request: dict[str, Any]) -> None:
-    """Show the worker as ``python train.py ARGS`` (``/proc/PID/cmdline``), the command it runs,
-    not the zygote's: ``ps``, ``pgrep -f train.py``, ``top`` and ``py-spy`` find it by name."""
-    try:
-        from setproctitle import setproctitle
-    except ImportError:  # an install without it: the zygote's command line stays
-        return
-    argv = [sys.executable, *(["-m"] if request["module"] else []), *request["argv"]]
-    setproctitle(" ".join(argv))
-
-
-def _set_name(name: str) -> None:
-    """Set this process's name (``/proc/PID/comm``, at most 15 bytes; Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
-def _run_worker(request: dict[str, Any]) -> None:
-    import runpy
-
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()  # as a fresh interpreter's: from the OS, not the zygote's
-    target, *args = request["argv"]
-    try:
-        if request["module"]:
-            sys.argv = [target, *args]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [target, *args]
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the script's error, printed as `python script.py` would
-        trimmed = _from_the_script(exc.__traceback__)
-        sys.excepthook(type(exc), exc.with_traceback(trimmed), trimmed)
-        sys.exit(1)
-
-
-def _from_the_script(tb: Any) -> Any:
-    """``tb`` without its first frames, the zygote's and runpy's: a traceback that starts where the
-    script does, as Python prints it for ``python script.py`` (an error in compiling the script
-    itself keeps them: they are all there is)."""
-    import runpy
-
-    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    start = tb
-    while start is not None and (os.path.abspath(start.tb_frame.f_code.co_filename) in ours
-                                 or start.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
-        start = start.tb_next
-    return start if start is not None else tb
 
 
 def main(argv: list[str]) -> None:

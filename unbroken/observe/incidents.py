@@ -130,3 +130,20 @@ def state_loss_text(event: dict[str, Any], checkpointing: bool | None = None) ->
     if checkpointing is False:
         text += ": no checkpoint was configured; use --checkpoint-dir"
     return text
+
+
+def progress_lost(run_dir: str) -> list[str]:
+    """What the run's ``state_lost`` events say (:func:`state_loss_text`), each noting whether a
+    checkpoint took the job back (a ``resume`` event after it) or none was configured."""
+    from unbroken.observe.run_log import load
+
+    try:
+        events = load([run_dir]).events
+    except (OSError, ValueError):
+        return []
+    lines = []
+    for i, event in enumerate(events):
+        if event.get("kind") == "state_lost":
+            resumed = any(e.get("kind") == "resume" for e in events[i + 1:])
+            lines.append(state_loss_text(event, checkpointing=resumed))
+    return lines

@@ -50,6 +50,7 @@ import torch
 
 from unbroken.storage.safe_unpickle import safe_loads
 from unbroken.worker import healing, state_digests
+from unbroken.worker.replay import _params, hyper_parameters, replay
 from unbroken.worker.stream_link import LinkBroken, StreamLink
 from unbroken.worker.warm_state import adopt_parameters
 
@@ -70,20 +71,11 @@ def eligible(job: CatchingUpJob) -> bool:
             and os.environ.get("UNBROKEN_REJOIN", "catch-up") != "heal")
 
 
-def _params(job: CatchingUpJob) -> list[torch.nn.Parameter]:
-    return [p for group in job.optimizer.param_groups for p in group["params"]]
-
-
 def state_digest(job: CatchingUpJob) -> state_digests.WholeStateDigest:
     """The digest of ``job``'s whole training state, its parameters and optimizer state left to be
     read by :meth:`~unbroken.worker.state_digests.WholeStateDigest.value` (before the next optimizer step)."""
     names = {name for name, _ in job.model.named_parameters()}
     return state_digests.training_state_digest(job._state(), names)
-
-
-def hyper_parameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param_group's settings but its parameters: what a commit used, for its replay to use."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 # -- the donor ------------------------------------------------------------------------------------
@@ -372,32 +364,3 @@ class CatchUp:
                              " the training state outside the optimizer's and the scheduler's steps")
         else:
             self.error = "the donor's generation broke mid-step: its state there may differ from a replay's"
-
-
-def replay(job: CatchingUpJob, index: int, generation: int, grads: list[torch.Tensor | None], buffers: list[torch.Tensor],
-           hypers: list[dict[str, Any]] | None = None) -> None:
-    """Apply step ``index`` as its commit did (:meth:`unbroken.worker.step.Step.commit`): the
-    param_groups' hyper-parameters it used (``hypers``), the reduced gradients through the
-    optimizer and the scheduler, then the synced buffers."""
-    if hypers is not None:
-        if len(hypers) != len(job.optimizer.param_groups):
-            raise LinkBroken(f"the donor's optimizer has {len(hypers)} param_groups, this member's {len(job.optimizer.param_groups)}")
-        for group, values in zip(job.optimizer.param_groups, hypers):
-            group.update(values)
-    for p, grad in zip(_params(job), grads):
-        p.grad = None if grad is None else grad.to(p.device)
-    job._committing = True
-    try:
-        job.optimizer.step()
-        if job.scheduler is not None:
-            job.scheduler.step()
-        job.optimizer.zero_grad(set_to_none=True)
-    finally:
-        job._committing = False
-    with torch.no_grad():
-        for b, value in zip(job.model.buffers(), buffers):
-            b.copy_(value)
-    job.next_step = index + 1
-    job.lineage.append(generation)
-    job._digest = state_digests.extend_digest(job._digest, generation)
-    job.fresh = False

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Callable
+import time
+from typing import TYPE_CHECKING, Any
 
 from unbroken.data.data_plan import DataPlan
 from unbroken.data.loader import check_dataset
 
 if TYPE_CHECKING:
-    from unbroken.errors import GenerationFailed
     from unbroken.observe.events import EventLog
     from unbroken.worker.default_group import DefaultGroup
     from unbroken.worker.group_member import GroupMember
@@ -64,18 +64,27 @@ def pacing(settings: RuntimeSettings, distributed: bool, plan: DataPlan, group: 
     )
 
 
-def default_group(settings: RuntimeSettings, distributed: bool, group: GroupMember | None,
-                  script_collective_failed: Callable[[GenerationFailed], None],
-                  release: Callable[[Any], None],
-                  check: Callable[[str], None] = lambda op: None,
-                  route: Callable[[str, tuple], Any] = lambda op, args: None) -> DefaultGroup | None:
+def default_group(settings: RuntimeSettings, distributed: bool, group: GroupMember | None, loop_guard: Any,
+                  joiner: Any) -> DefaultGroup | None:
     """The default group that follows each generation (:mod:`unbroken.worker.default_group`), for a
-    plain member of a distributed job that wants one; None alone or in a replica group. A past
-    generation's default group goes to ``release`` (the graveyard's bury); ``check(op)`` may refuse
-    a collective of the script's before it starts (one inside ``job.on_leader``); ``route(op, args)``
-    gives the group a collective inside a step goes over (:mod:`unbroken.worker.script_collectives`)."""
+    plain member of a distributed job that wants one; None alone or in a replica group. The loop
+    guard decides what happens to a script's collective that fails, refuses one inside
+    ``job.on_leader`` and routes one inside a step (:mod:`unbroken.worker.script_collectives`); a
+    past generation's default group goes to the joiner's graveyard."""
     if distributed and group is None and settings.default_group:
         from unbroken.worker.default_group import DefaultGroup
+        from unbroken.worker.script_collectives import script_route
 
-        return DefaultGroup(script_collective_failed, release, check, route)
+        route = script_route(loop_guard, lambda: joiner.group, lambda reason: joiner.report_job_failure(reason))
+        return DefaultGroup(loop_guard.script_collective_failed, joiner.graveyard.bury, loop_guard.check_script_collective,
+                            route)
     return None
+
+
+def emit_step(events: Any, step: Any, samples: int, total: int | None) -> None:
+    """The ``step`` event of a commit (the leader's): what the console and the report show."""
+    from unbroken.worker.step_loop import OPEN_ENDED
+
+    events.emit("step", step=step.index, generation=step.generation, members=step.members,
+                seconds=time.monotonic() - step.started, loss=step.loss, samples=samples,
+                total=total if total is not None and total < OPEN_ENDED else None)

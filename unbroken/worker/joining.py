@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from unbroken.observe import leader_mark, refusal_mark
 from unbroken.errors import EXIT_MISMATCH, EXIT_RESTART_FRESH, GenerationFailed, Unauthorized, UnbrokenError
+from unbroken.worker.coordinator_posts import tell
 from unbroken.worker import generation_lease, join_request, newcomer
 from unbroken.worker.generation_forming import (
     StoreConnection, agree_after_healing, agree_before_healing, generation_group, store_prefix, unmendable_message,
@@ -187,8 +188,8 @@ class Joiner:
         taken = self._formed_without_joining()
         if taken is not None and self._form(self._relay(taken)):
             return True
-        self._warm_before_joining(group)
-        catch = self._start_catch_up(group)
+        newcomer.warm_for_joining(self.job, group, self.heartbeat, self.busy)
+        catch = newcomer.catch_up_for_joining(self.job, group, self.heartbeat)
         job_never_joined = catch is not None  # a newcomer that caught up but never trained in a generation
         with self.client.joining():  # joins take the line back to back; heartbeats resume for a heal
             while True:
@@ -197,7 +198,7 @@ class Joiner:
                     with self.client.paused_joining():
                         unverified = catch.finish(self.job.settings.collective_timeout)  # the rest of the stream, before any heal
                     if unverified is not None:
-                        self._replay_unverified(unverified, catch.mismatch is not None)
+                        newcomer.replay_unverified(self.job, self.client, unverified, catch.mismatch is not None)
                     catch = None
                 if reply["status"] == "finished":
                     self._relay(reply)
@@ -213,53 +214,6 @@ class Joiner:
                 with self.client.paused_joining():
                     if self._form(self._relay(reply)):
                         return True
-
-    def report_job_failure(self, reason: str) -> None:
-        """Something no restart can mend (replicas that differ, members whose script makes
-        different collectives): the job fails, recorded by the coordinator (and etcd), so that no
-        member re-forms alone, passes its own check and finishes, and no slot restarts into it."""
-        if self.client is None:
-            return  # a process of a replica group other than 0: process 0 found the same
-        try:
-            self.client.post("/v1/fail_job", member=self.job.member_id, reason=reason[:1000])
-        except UnbrokenError as exc:
-            log.warning("%s: could not report the job's failure: %s", self.job.member_id, exc)
-
-    def request_stop(self, step: int, reason: str) -> None:
-        """Make ``job.stop(reason)`` durable before it returns: the coordinator carries it into
-        every generation formed from now on, so it outlives this member (DESIGN: Fast paths)."""
-        if self.client is None:
-            return  # a process of a replica group other than 0: its vote carries the stop to process 0
-        try:
-            self.client.post("/v1/stop", member=self.job.member_id, step=step, reason=reason[:500])
-        except UnbrokenError as exc:
-            log.warning("%s: could not record the stop with the coordinator (%s); it travels with the next step only",
-                        self.job.member_id, exc)
-
-    def _replay_unverified(self, reason: str, loop_not_replayable: bool) -> None:
-        """The catch-up's replay could not be checked against the donor (DESIGN: Fast paths): this
-        member counts as fresh, so the heal copies the whole state from a peer; if no peer holds
-        live state, it never becomes a source (:meth:`~unbroken.worker.healer.Healer.heal`). A
-        replay whose digest differed at a step boundary turns catch-up off for the job."""
-        job = self.job
-        job.fresh = True
-        job._unverified = reason
-        if not loop_not_replayable:
-            log.info("%s: its catch-up is unverified (%s); the heal brings it up to date", job.member_id, reason)
-            return
-        try:
-            self.client.post("/v1/catch_up_off", member=job.member_id, reason=reason[:500])
-        except UnbrokenError as exc:
-            log.warning("could not tell the coordinator to stop catch-ups: %s", exc)
-
-    def _warm_before_joining(self, group: Any) -> None:
-        """A fresh process joining a running job: allocate and touch its optimizer state now, while
-        the others still train, so that its heal lands in warm memory (:mod:`unbroken.worker.newcomer`).
-        Not at the job's start (no heal comes), nor in a replica group (sharded state)."""
-        job = self.job
-        if not job.fresh or job._warm is not None or group is not None or self.heartbeat is None:
-            return
-        job._warm = newcomer.warm_before_joining(self.heartbeat, job.optimizer, job.model, self.busy, job.member_id)
 
     def _relay(self, reply: dict[str, Any]) -> dict[str, Any]:
         """Process 0 of a replica group: pass a generation (or the job's end) on to the group."""
@@ -287,17 +241,6 @@ class Joiner:
         failed formation and a join."""
         after = max(self.job.generation, self.job._generation_floor)
         return join_request.formed_from_view(self.view, self._store_connection.address, self._incarnation, after)
-
-    def _start_catch_up(self, group: Any) -> Any:
-        """A fresh process joining a running job: open a port for a donor and catch up from it
-        while the others train (:mod:`unbroken.worker.catch_up`); None where that cannot be exact."""
-        from unbroken.worker.catch_up import CatchUp, eligible
-
-        job = self.job
-        if not job.fresh or group is not None or self.heartbeat is None or not eligible(job):
-            return None
-        return newcomer.start_catch_up(lambda address: CatchUp(job, address, job._warm), self.heartbeat,
-                                       job.settings.coordinator, job.member_id)
 
     def _ask_to_join(self, catch_up: str | None = None) -> dict[str, Any]:
         job = self.job
@@ -406,12 +349,19 @@ class Joiner:
 
     def report_failure(self, number: int, error: str) -> None:
         log.warning("%s: generation %d failed: %s", self.job.member_id, number, error)
-        if self.client is None:
-            return  # a process of a replica group other than 0: its process 0 reports for the group
-        try:
-            self.client.post("/v1/failure", member=self.job.member_id, generation=number, error=error[:500])
-        except UnbrokenError as exc:
-            log.warning("could not report the failure: %s", exc)
+        tell(self.client, "/v1/failure", self.job.member_id, "the failure", generation=number, error=error[:500])
+
+    def report_job_failure(self, reason: str) -> None:
+        """What no restart mends (replicas that differ, a script whose collectives differ between
+        members): the job fails at the coordinator (and in etcd), so that no member re-forms alone
+        and finishes, and no slot restarts into it (:mod:`unbroken.coordinator.job_decisions`)."""
+        tell(self.client, "/v1/fail_job", self.job.member_id, "the job's failure", reason=reason[:1000])
+
+    def request_stop(self, step: int, reason: str) -> None:
+        """Make ``job.stop(reason)`` durable before it returns: the coordinator carries it into
+        every generation formed from now on, so it outlives this member (DESIGN: Fast paths)."""
+        tell(self.client, "/v1/stop", self.job.member_id, "the stop (it travels with the next step only)", step=step,
+             reason=reason[:500])
 
     def abandon(self, reason: str) -> None:
         """Leave a broken generation: report it, and park its group (work may be pending on it)."""
@@ -431,12 +381,8 @@ class Joiner:
     def leave(self, finished: bool) -> None:
         """Tell the coordinator that this member leaves, and stop heartbeating."""
         self.job._donor.end(at_boundary=False, drain=True)
-        if self.client is not None:
-            try:
-                self.client.post("/v1/leave", member=self.job.member_id, finished=finished, step=self.job.next_step,
-                                 **({"reason": self.job.stop_reason} if finished and self.job.stop_reason else {}))
-            except UnbrokenError as exc:
-                log.warning("could not tell the coordinator that this member leaves: %s", exc)
+        tell(self.client, "/v1/leave", self.job.member_id, "that this member leaves", finished=finished,
+             step=self.job.next_step, **({"reason": self.job.stop_reason} if finished and self.job.stop_reason else {}))
         if self.heartbeat is not None:
             self.heartbeat.stop()
 

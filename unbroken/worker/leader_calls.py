@@ -129,6 +129,27 @@ class LeaderCalls:
         self._step = -1
         self._calls = 0
 
+    def run_for_script(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], loop_guard: Any,
+                       started: bool) -> Any:
+        """:meth:`run` for the script's ``job.on_leader``: refused before the job's steps began
+        (no generation, no leader yet); while ``fn`` runs, its collectives are refused
+        (``loop_guard.leader_call``: only the leader runs it); its time inside a step's body is
+        not counted in this member's pace (the straggler balancer)."""
+        if not started:
+            raise LoopMisuse(
+                f"job.on_leader({_name(fn)!r}) was called before job.steps(): the members have not formed a generation"
+                " yet, so there is no leader. Call it inside the loop, e.g. at the top of the body:"
+                " `if step.index == 0: job.on_leader(evaluate)` (nanoGPT's evaluation at iteration 0)")
+        loop_guard.leader_call = _name(fn)
+        entered = time.monotonic()
+        try:
+            return self.run(fn, args, kwargs)
+        finally:
+            loop_guard.leader_call = None
+            step = loop_guard.step
+            if step is not None and loop_guard.in_body:  # the leader's work is not its pace
+                step.paused += time.monotonic() - entered
+
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``fn`` on the lowest-ranked member in the call and return its result everywhere."""
         step = self._boundary()

@@ -61,3 +61,38 @@ def local_address(coordinator: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host.strip("[]"), int(port)))
         return probe.getsockname()[0]
+
+
+def replay_unverified(job: Any, client: Any, reason: str, loop_not_replayable: bool) -> None:
+    """The catch-up's replay could not be checked against the donor (DESIGN: Fast paths): the
+    member counts as fresh, so the heal copies the whole state from a peer; if no peer holds live
+    state, it never becomes a source (:meth:`~unbroken.worker.healer.Healer.heal`). A replay whose
+    digest differed at a step boundary turns catch-up off for the job."""
+    from unbroken.worker.coordinator_posts import tell
+
+    job.fresh = True
+    job._unverified = reason
+    if not loop_not_replayable:
+        log.info("%s: its catch-up is unverified (%s); the heal brings it up to date", job.member_id, reason)
+        return
+    tell(client, "/v1/catch_up_off", job.member_id, "that catch-ups must stop", reason=reason[:500])
+
+
+def warm_for_joining(job: Any, group: Any, heartbeat: Any, busy: Callable[[str], ContextManager[None]]) -> None:
+    """A fresh process joining a running job: allocate and touch its optimizer state now, while
+    the others still train, so that its heal lands in warm memory (:func:`warm_before_joining`).
+    Not at the job's start (no heal comes), nor in a replica group (sharded state)."""
+    if not job.fresh or job._warm is not None or group is not None or heartbeat is None:
+        return
+    job._warm = warm_before_joining(heartbeat, job.optimizer, job.model, busy, job.member_id)
+
+
+def catch_up_for_joining(job: Any, group: Any, heartbeat: Any) -> Any:
+    """A fresh process joining a running job: open a port for a donor and catch up from it while
+    the others train (:mod:`unbroken.worker.catch_up`); None where that cannot be exact."""
+    from unbroken.worker.catch_up import CatchUp, eligible
+
+    if not job.fresh or group is not None or heartbeat is None or not eligible(job):
+        return None
+    return start_catch_up(lambda address: CatchUp(job, address, job._warm), heartbeat, job.settings.coordinator,
+                          job.member_id)

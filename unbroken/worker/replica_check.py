@@ -20,9 +20,11 @@ log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; 
 
 
 def verify_replicas(model: torch.nn.Module, group: Any, abandon: Callable[[str], None], events: Any, member_id: str,
-                    step: int, generation: int) -> str | None:
+                    step: int, generation: int, fail_job: Callable[[str], None] = lambda reason: None) -> str | None:
     """Exchange a hash of ``model``'s parameters and buffers over the generation's ``group``; all
     members must agree. Returns the hash, or None (after ``abandon``) if the exchange failed.
+    Replicas that differ fail the job (``fail_job``, before raising): no member may re-form
+    alone, pass its own check and finish with a model nobody can vouch for.
 
     ``step`` is the job's next step and ``generation`` its generation, for the messages and the
     ``replicas`` event written to ``events``."""
@@ -40,7 +42,9 @@ def verify_replicas(model: torch.nn.Module, group: Any, abandon: Callable[[str],
     rows = [bytes(r).hex() for r in table.tolist()]
     if len(set(rows)) != 1:
         by_member = ", ".join(f"{m}={h[:12]}" for m, h in zip(group.members, rows))
-        raise ReplicaDivergence(f"members hold different parameters after step {step} (generation {generation}): {by_member}")
+        message = f"members hold different parameters after step {step} (generation {generation}): {by_member}"
+        fail_job(f"replicas diverged: {message}")
+        raise ReplicaDivergence(message)
     found = digest.hexdigest()
     events.emit("replicas", generation=generation, members=len(group.members), hash=found, step=step)
     log.info("%s: %d replicas identical at step %d (sha256 %s)", member_id, len(group.members), step, found[:16])

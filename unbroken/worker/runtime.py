@@ -41,8 +41,7 @@ from unbroken.worker import devices, job_setup, mixed_precision, state_digests, 
 from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
-from unbroken.errors import ConfigError, LoopMisuse, ReplicaDivergence
-from unbroken.worker.step_loop import OPEN_ENDED
+from unbroken.errors import ConfigError
 from unbroken.worker.healer import Healer
 from unbroken.worker.job_state import TrainingObjects, gather_state, load_state
 from unbroken.worker.joining import Joiner
@@ -167,9 +166,8 @@ class Job:
         )
         self._pacing = job_setup.pacing(self.settings, self.distributed, self.plan, self._group, self._events)
         self._started_generation = 0  # the generation whose first step passed first_step_barrier
-        self._default_group = job_setup.default_group(self.settings, self.distributed, self._group,
-                                                      self._loop_guard.script_collective_failed, self._joiner.graveyard.bury,
-                                                      self._loop_guard.check_script_collective, self._script_route)
+        self._default_group = job_setup.default_group(self.settings, self.distributed, self._group, self._loop_guard,
+                                                      self._joiner)
 
     def _init_progress(self) -> None:
         """Where this member stands: no step committed, no generation joined, no live state."""
@@ -177,17 +175,13 @@ class Job:
         self.lineage: list[int] = []
         self._digest = 0  # state_digests.lineage_digest(self.lineage), kept up to date
         self.fresh = True
-        self._unverified: str | None = None
-        """Why this member's state is unverified (a catch-up that could not be checked): it is
-        fresh, and must never be a heal's source (:class:`~unbroken.worker.healer.Healer`)."""
+        self._unverified: str | None = None  # why its state is unverified (a catch-up): never a heal's source
         self.generation = 0
         self.member_index = 0
         self.member_count = 1
         self.replica_hash: str | None = None
         self.total: int | None = None
-        self._durable_stop: dict | None = None
-        """The job's stop request as the coordinator carried it into this member's generation
-        (``{"step", "reason"}``): every member of a generation holds the same one."""
+        self._durable_stop: dict | None = None  # the job's stop request, from this generation's formation
         self.stop_reason: str | None = None
         """Why the job ends before ``total`` (:meth:`stop`, or the loop left with ``break``)."""
 
@@ -220,32 +214,7 @@ class Job:
         :class:`~unbroken.errors.LoopMisuse`. In a single process it is ``fn(*args, **kwargs)``."""
         if not self.distributed:
             return fn(*args, **kwargs)
-        if self.total is None:
-            raise LoopMisuse(
-                f"job.on_leader({getattr(fn, '__name__', fn)!r}) was called before job.steps(): the members have not formed"
-                " a generation yet, so there is no leader. Call it inside the loop, e.g. at the top of the body:"
-                " `if step.index == 0: job.on_leader(evaluate)` (nanoGPT's evaluation at iteration 0)")
-        self._loop_guard.leader_call = getattr(fn, "__qualname__", None) or repr(fn)
-        entered = time.monotonic()
-        try:
-            return self._leader_calls.run(fn, args, kwargs)
-        finally:
-            self._loop_guard.leader_call = None
-            step = self._loop_guard.step
-            if step is not None and self._loop_guard.in_body:  # the leader's work is not its pace (stragglers)
-                step.paused += time.monotonic() - entered
-
-    def _script_route(self, op: str, args: tuple) -> Any:
-        """The group a collective of the script's own goes over: inside a step's body, before
-        its commit, the one the script's collectives have to themselves, met in the store first
-        (:mod:`unbroken.worker.script_collectives`); elsewhere None (the generation's)."""
-        step, group = self._loop_guard.step, self._joiner.group
-        if (not self._loop_guard.in_body or step is None or step.committed or step.failed or group is None
-                or group.number != step.generation):
-            return None
-        from unbroken.worker.script_collectives import for_group
-
-        return for_group(group, self._joiner.report_job_failure).begin(step.index, op, args)
+        return self._leader_calls.run_for_script(fn, args, kwargs, self._loop_guard, started=self.total is not None)
 
     def _rejoin(self, reason: str | None) -> bool:
         """Leave the broken generation (for ``reason``) and join the next, inside the loop body
@@ -298,12 +267,8 @@ class Job:
     def _verify_replicas(self) -> bool:
         """Compare every member's parameters and buffers (:func:`verify_replicas`); False if the
         exchange failed and the generation was abandoned."""
-        try:
-            found = verify_replicas(self.model, self._joiner.group, self._abandon, self._events, self.member_id,
-                                    self.next_step, self.generation)
-        except ReplicaDivergence as exc:
-            self._joiner.report_job_failure(f"replicas diverged: {exc}")  # before any member can re-form from it
-            raise
+        found = verify_replicas(self.model, self._joiner.group, self._abandon, self._events, self.member_id,
+                                self.next_step, self.generation, self._joiner.report_job_failure)
         if found is None:
             return False
         self.replica_hash = found
@@ -376,16 +341,7 @@ class Job:
             heartbeat.step = self.next_step
             heartbeat.warm = True
         if self._events.enabled and self.member_index == 0 and (self._group is None or self._group.leader):
-            self._events.emit(
-                "step",
-                step=step.index,
-                generation=step.generation,
-                members=step.members,
-                seconds=time.monotonic() - step.started,
-                loss=step.loss,
-                samples=self.plan.global_batch_size,
-                total=self.total if self.total is not None and self.total < OPEN_ENDED else None,
-            )
+            job_setup.emit_step(self._events, step, self.plan.global_batch_size, self.total)
 
     # -- the generation ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ that no restart repeats it.
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from typing import TYPE_CHECKING, Any, Callable
@@ -79,6 +80,10 @@ class ScriptCollectives:
         """Collectives made in :attr:`step` so far."""
         self._announced_exchange: int | None = None
         self._keys: list[tuple[int, str, str]] = []
+        self._probe: threading.Thread | None = None
+        self._probe_store: Any = None
+        self._found: str | None = None
+        """What the exchange's probe found wrong (raised by the next idle slice)."""
         """(step, counters) of the collectives made, for rank 0 to delete once they are done."""
 
     def begin(self, step: int, op: str, args: tuple[Any, ...]) -> Any:
@@ -136,16 +141,32 @@ class ScriptCollectives:
 
     def in_exchange(self, step: int) -> None:
         """This member waits in ``step``'s gradient exchange (called from its idle wait slices):
-        say how many collectives it made, and fail if a member waits for one more."""
+        say in the store how many collectives it made, and fail if a member waits for one more.
+        The store is read on a helper thread with a client of its own, never in the wait itself:
+        a coordinator cut off by a partition must not hold the wait past the verdict that ends it."""
+        if self._found is not None:
+            raise LoopMisuse(self._found)
+        if self._probe is None or not self._probe.is_alive():
+            self._probe = threading.Thread(target=self._probe_exchange, args=(step,), name="unbroken-script-probe",
+                                           daemon=True)
+            self._probe.start()
+
+    def _probe_exchange(self, step: int) -> None:
         made = self.count if self.step == step else 0
         group = self.group
-        if self._announced_exchange != step:
-            _store(group, lambda: group.store.set(f"script/{step}/x/{group.rank}", str(made).encode()))
-            self._announced_exchange = step
-        beyond = f"script/{step}/{made + 1}"
-        if _store(group, lambda: group.store.check([beyond])) and _store(group, lambda: group.store.add(beyond, 0)) > 0:
-            self._misuse(f"step {step}: a member of generation {group.number} waits in its script collective number"
-                         f" {made + 1}, and this member reached the gradient exchange after {made}")
+        try:
+            store = self._probe_store = self._probe_store or _own_client(group)
+            if self._announced_exchange != step:
+                store.set(f"script/{step}/x/{group.rank}", str(made).encode())
+                self._announced_exchange = step
+            beyond = f"script/{step}/{made + 1}"
+            if store.check([beyond]) and store.add(beyond, 0) > 0:
+                self._misuse(f"step {step}: a member of generation {group.number} waits in its script collective number"
+                             f" {made + 1}, and this member reached the gradient exchange after {made}")
+        except LoopMisuse as exc:
+            self._found = str(exc)
+        except Exception:  # noqa: BLE001 - an unreachable store: the generation's own verdicts end the wait
+            pass
 
     def _peer_left_fewer(self, step: int, k: int, mine: str) -> None:
         group = self.group
@@ -168,6 +189,21 @@ def _store(group: "GenerationGroup", call: Callable[[], Any]) -> Any:
         return call()
     except Exception as exc:  # noqa: BLE001 - the store's errors are bare RuntimeErrors
         raise GenerationFailed(f"generation {group.number}: store unreachable at the script's collective: {exc}") from None
+
+
+def _own_client(group: "GenerationGroup") -> Any:
+    """The generation's store through a client of this probe's own (a TCPStore's), or the
+    group's store itself where there is no TCPStore under it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    base = getattr(group, "base_store", None)
+    if isinstance(base, dist.TCPStore):
+        client = dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=group.timeout))
+        return dist.PrefixStore(group.store_prefix, client)
+    return group.store
 
 
 def for_group(group: "GenerationGroup", fail_job: Callable[[str], None]) -> ScriptCollectives:
@@ -198,3 +234,18 @@ def _side_group(group: "GenerationGroup") -> Any:
     pg = group.run_watched(build, "connecting the script's collectives' group")
     group.side_groups.append(("script", pg))
     return pg
+
+
+def script_route(loop_guard: Any, group: Callable[[], Any], fail_job: Callable[[str], None]) -> Callable[[str, tuple], Any]:
+    """The default group's ``route``: the group a collective of the script's own goes over. Inside
+    a step's body, before its commit, the one the script's collectives have to themselves, met in
+    the store first (:meth:`ScriptCollectives.begin`); elsewhere None (the generation's own)."""
+
+    def route(op: str, args: tuple) -> Any:
+        step, current = loop_guard.step, group()
+        if (not loop_guard.in_body or step is None or step.committed or step.failed or current is None
+                or current.number != step.generation):
+            return None
+        return for_group(current, fail_job).begin(step.index, op, args)
+
+    return route
