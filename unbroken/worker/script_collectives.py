@@ -13,9 +13,11 @@ first one of each generation, :attr:`ScriptCollectives.pg`), never mixed with th
 each one first meets every member in the generation's store (:meth:`ScriptCollectives.begin`):
 the k-th collective of step s is made only once every member has announced its k-th, with the
 same operation, shapes and dtypes (two counters in the store; a few hundred microseconds per
-collective, and nothing for a step that makes none). A member that reached the step's gradient exchange with fewer
-collectives says so in the store while it waits there (:meth:`ScriptCollectives.in_exchange`,
-called from the exchange's idle wait slices: nothing in a healthy step). Either way every member
+collective, and nothing for a step that makes none). Each member also keeps where it stands in
+the store (step, collectives made, whether in the gradient exchange; the exchange says it from its
+idle wait slices, :meth:`ScriptCollectives.in_exchange`: nothing in a healthy step), so that a
+member waiting for a collective that a peer will never make (the peer reached the exchange with
+fewer, or committed and went on) learns it within about a second. Either way every member
 learns that the rule was broken before any byte of the mismatched collective is sent; the job
 fails with :class:`~unbroken.errors.LoopMisuse` naming the rule, recorded by the coordinator, so
 that no restart repeats it.
@@ -82,6 +84,8 @@ class ScriptCollectives:
         self._keys: list[tuple[int, str, str]] = []
         self._probe: threading.Thread | None = None
         self._probe_store: Any = None
+        self._made: dict[int, int] = {}
+        """Collectives made in each of the last steps (a member that moved on compares its count)."""
         self._found: str | None = None
         """What the exchange's probe found wrong (raised by the next idle slice)."""
         """(step, counters) of the collectives made, for rank 0 to delete once they are done."""
@@ -103,6 +107,10 @@ class ScriptCollectives:
             self.step, self.count = step, 0
         self.count += 1
         k, group, mine = self.count, self.group, signature(op, args)
+        self._made[step] = k
+        for done in [made for made in self._made if made < step - 3]:
+            del self._made[done]
+        _store(group, lambda: group.store.set(f"script/at/{group.rank}", f"{step}:{k}:0".encode()))
         arrived, alike = f"script/{step}/{k}", f"script/{step}/{k}/{zlib.crc32(mine.encode()):08x}"
         self._keys.append((step, arrived, alike))
         # alike before arrived, by every member: once ``arrived`` is full, every ``alike`` is in
@@ -119,7 +127,7 @@ class ScriptCollectives:
                     self._misuse(f"step {step}: the script's collective number {k} differs between members (this member's:"
                                  f" {mine})")
                 if time.monotonic() - began > SLOW_CHECK:
-                    self._peer_left_fewer(step, k, mine)
+                    self._peers_elsewhere(group.store, step, k, waiting=True)
                 return False
 
             wait_for(group, everyone, f"waiting for every member at the script's {op}")
@@ -152,31 +160,41 @@ class ScriptCollectives:
             self._probe.start()
 
     def _probe_exchange(self, step: int) -> None:
-        made = self.count if self.step == step else 0
+        made = self._made.get(step, 0)
         group = self.group
         try:
             store = self._probe_store = self._probe_store or _own_client(group)
             if self._announced_exchange != step:
-                store.set(f"script/{step}/x/{group.rank}", str(made).encode())
+                store.set(f"script/at/{group.rank}", f"{step}:{made}:1".encode())
                 self._announced_exchange = step
-            beyond = f"script/{step}/{made + 1}"
-            if store.check([beyond]) and store.add(beyond, 0) > 0:
-                self._misuse(f"step {step}: a member of generation {group.number} waits in its script collective number"
-                             f" {made + 1}, and this member reached the gradient exchange after {made}")
+            self._peers_elsewhere(store, step, made, waiting=False)
         except LoopMisuse as exc:
             self._found = str(exc)
         except Exception:  # noqa: BLE001 - an unreachable store: the generation's own verdicts end the wait
             pass
 
-    def _peer_left_fewer(self, step: int, k: int, mine: str) -> None:
+    def _peers_elsewhere(self, store: Any, step: int, k: int, waiting: bool) -> None:
+        """Where the others stand (``script/at/<rank>``: step, collectives made, whether in the
+        exchange), against this member at collective ``k`` of ``step`` (``waiting``: in its
+        barrier), or in ``step``'s exchange after ``k``. Raises :class:`LoopMisuse` when a member
+        can never meet this one: it went on past this step, reached the exchange with fewer, or
+        waits for a collective this member did not make."""
         group = self.group
         for r in range(group.size):
-            name = f"script/{step}/x/{r}"
-            if r != group.rank and _store(group, lambda n=name: group.store.check([n])):
-                made = int(_store(group, lambda n=name: group.store.get(n)))
-                if made < k:
-                    self._misuse(f"step {step}: member {r} of generation {group.number} reached the gradient exchange after"
-                                 f" {made} collective(s) of the script's own, and this member makes number {k} ({mine})")
+            if r == group.rank or not store.check([f"script/at/{r}"]):
+                continue
+            at_step, at_k, in_exchange = (int(v) for v in store.get(f"script/at/{r}").decode().split(":"))
+            where = f"member {r} of generation {group.number}"
+            if waiting and at_step > step:
+                self._misuse(f"step {step}: {where} went on to step {at_step} without the script's collective number {k}"
+                             f" that this member makes")
+            if waiting and at_step == step and in_exchange and at_k < k:
+                self._misuse(f"step {step}: {where} reached the gradient exchange after {at_k} collective(s) of the"
+                             f" script's own, and this member makes number {k}")
+            behind = at_step < step or (at_step == step and not waiting)
+            if not in_exchange and behind and at_k > self._made.get(at_step, 0):
+                self._misuse(f"step {at_step}: {where} waits in the script's collective number {at_k}, and this member"
+                             f" made {self._made.get(at_step, 0)} in that step")
 
     def _misuse(self, what: str) -> None:
         message = f"{what}: {RULE}"

@@ -87,7 +87,23 @@ def test_one_member_more_per_step_fails_the_ones_that_wait_and_the_one_in_the_ex
     results = _in_threads(lambda: more(made[0]), lambda: more(made[1]), exchange)
     assert all(isinstance(r, LoopMisuse) for r in results), results
     assert "reached the gradient exchange after 1" in str(results[0])
-    assert "waits in its script collective number 2" in str(results[2])
+    assert "waits in the script's collective number 2" in str(results[2])
+
+
+def test_a_member_that_committed_with_fewer_and_went_on_is_found_by_both_sides(monkeypatch):
+    # shares of 3, 3 and 2 micro-batches: the third member's buckets were all in, it committed the
+    # step and makes the next step's first collective while the others wait for their third
+    monkeypatch.setattr(script_collectives, "SLOW_CHECK", 0.2)
+    made, failed = _members(dist.HashStore())
+    tensor = torch.zeros(1)
+    for _ in range(2):
+        _in_threads(*[lambda m=m: m.begin(0, "allreduce", ([tensor],)) for m in made])
+    results = _in_threads(lambda: made[0].begin(0, "allreduce", ([tensor],)),
+                          lambda: made[1].begin(0, "allreduce", ([tensor],)),
+                          lambda: (time.sleep(0.1), made[2].begin(1, "allreduce", ([tensor],)))[1])
+    assert all(isinstance(r, LoopMisuse) for r in results), results
+    assert "went on to step 1" in str(results[0])
+    assert "made 2 in that step" in str(results[2])
 
 
 def test_counters_of_steps_before_the_last_are_deleted_by_rank_0():
