@@ -115,6 +115,12 @@ class Balancer:
         self._fast_for = [0] * members  # steps in a row back above the flag's release (flagged members)
         self._flagged: set[int] = set()
         self._newly: list[int] = []
+        self._flagged_ever: set[int] = set()
+        self.in_turn = False
+        """True once a second member was flagged in this generation: members are slow in turn (an
+        oversubscribed host, not one slow member); flags are still kept, no longer announced."""
+        self.in_turn_now = False
+        """True if the last :meth:`observe` found that members are slow in turn."""
         self._floor_for = [0] * members  # steps in a row below evict_below
         self.changed = False
         """True if the last :meth:`observe` changed the split."""
@@ -168,6 +174,11 @@ class Balancer:
                 self._fast_for[i] = self._fast_for[i] + 1 if r is None or r >= release else 0
                 if self._fast_for[i] >= window:
                     self._flagged.discard(i)
+        self.in_turn_now = False
+        if self._newly:
+            self._flagged_ever.update(self._newly)
+            if len(self._flagged_ever) >= 2 and not self.in_turn:
+                self.in_turn = self.in_turn_now = True
         if self.settings.rebalances:
             self._rebalance()
 
@@ -198,6 +209,15 @@ class Balancer:
     def newly_flagged(self) -> list[int]:
         """Members flagged by the last :meth:`observe` (not flagged before it)."""
         return list(self._newly)
+
+    def to_announce(self) -> list[int]:
+        """Of :meth:`newly_flagged`, those to say on the console: none once members are slow in
+        turn (:attr:`in_turn`); every flag is still an event, for the report."""
+        return [] if self.in_turn else list(self._newly)
+
+    def flagged_in_generation(self) -> list[int]:
+        """Every member flagged at some step of this generation."""
+        return sorted(self._flagged_ever)
 
     def evicted(self) -> list[int]:
         """With ``mode="evict"``: members below ``evict_below`` for ``evict_after`` steps in a row."""

@@ -148,11 +148,17 @@ class Pacing:
                          "straggler": rank in balancer.flagged(),
                          "exchange_seconds": round(self._exchange, 6)}
         if leader:
+            announce = balancer.to_announce()
             for i in balancer.newly_flagged():
                 pace = relative[i]
-                log.warning("unbroken: %s is a straggler: %.0f%% of the median member's pace for %d steps (step %d)",
-                            names[i], 100 * pace, self.settings.window, step)
+                if i in announce:
+                    log.warning("unbroken: %s is a straggler: %.0f%% of the median member's pace for %d steps (step %d)",
+                                names[i], 100 * pace, self.settings.window, step)
                 self._events.emit("straggler", step=step, member=names[i], pace=round(pace, 3), window=self.settings.window)
+            if balancer.in_turn_now:
+                log.warning("unbroken: members are slow in turn (%s flagged in this generation): the host is oversubscribed"
+                            " or noisy rather than one member slow; stragglers are no longer announced here (see"
+                            " `unbroken report`)", ", ".join(names[i] for i in balancer.flagged_in_generation()))
             if balancer.changed:
                 split = balancer.split
                 sizes = list(split.sizes) if split is not None else None

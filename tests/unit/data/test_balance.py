@@ -140,3 +140,21 @@ def test_members_that_take_turns_being_slow_are_never_flagged_and_a_borderline_o
     for _ in range(10):
         b.observe([0.01, 0.01, 0.01])
     assert b.flagged() == []
+
+
+def test_members_flagged_in_turn_are_announced_once_then_called_an_oversubscribed_host():
+    b = Balancer(BalanceSettings(mode="report", window=3), total=48, unit=2, members=4)
+    announced = []
+
+    def run(slow, steps):
+        for _ in range(steps):
+            b.observe([0.03 if i == slow else 0.01 for i in range(4)])
+            announced.extend(b.to_announce())
+
+    run(1, 10)
+    assert announced == [1] and not b.in_turn  # one slow member: a straggler, said once
+    run(None, 10)
+    run(2, 10)  # another member's turn: the host, not a member
+    assert b.in_turn and b.flagged_in_generation() == [1, 2] and announced == [1]
+    run(3, 10)
+    assert announced == [1] and 3 in b.flagged_in_generation()  # still flagged (events), not announced
