@@ -37,6 +37,7 @@ def run_worker(request: dict[str, Any]) -> None:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # as a fresh interpreter's: from the OS, not the zygote's
     target, *args = request["argv"]
+    explain_init_process_group()
     try:
         if request["module"]:
             sys.argv = [target, *args]
@@ -66,3 +67,37 @@ def _from_the_script(tb: Any) -> Any:
                                  or start.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         start = start.tb_next
     return start if start is not None else tb
+
+
+INIT_HINT = ("dist.init_process_group(...) under `unbroken run`: unbroken makes the process groups itself, one per"
+             " generation, and does not start workers the way torchrun does (no RANK or WORLD_SIZE). Remove"
+             " dist.init_process_group(...), DDP(model) and dist.destroy_process_group() from the script; inside the"
+             " loop torch.distributed answers with the current generation (docs/guide/porting.md)")
+
+
+def explain_init_process_group() -> None:
+    """Every DDP script calls ``dist.init_process_group()``; under ``unbroken run`` torch then fails
+    with "environment variable RANK expected". Keep torch's function, but turn that one error into
+    what to do instead (:data:`INIT_HINT`). Any other call and error is torch's own."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from unbroken.errors import ConfigError
+
+    original = distributed_c10d.init_process_group
+    if getattr(original, "_unbroken_explains", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except ValueError as exc:
+            if "RANK expected" not in str(exc) and "WORLD_SIZE expected" not in str(exc):
+                raise
+            raise ConfigError(INIT_HINT) from None
+
+    init_process_group._unbroken_explains = True  # type: ignore[attr-defined]
+    dist.init_process_group = distributed_c10d.init_process_group = init_process_group

@@ -105,6 +105,13 @@ def test_a_worker_killed_by_a_signal_reports_it_as_popen_does_and_a_traceback_ex
     # the traceback python failing.py prints: the script's frames only, nothing chained
     assert lines == ["Traceback (most recent call last):", f'  File "{failing}", line 1, in <module>',
                      "    raise ValueError('a bad setting')", "ValueError: a bad setting"], lines
+    ddp = tmp_path / "ddp.py"  # every DDP script's first call
+    ddp.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    env = {k: v for k, v in zygote.env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = zygote.start([str(ddp)], False, env)
+    assert proc.wait(timeout=30) == 1
+    last = _output(proc)[-1]
+    assert "Remove dist.init_process_group(...), DDP(model)" in last and "RANK expected" not in last, last
 
 
 def test_a_replica_groups_processes_share_one_process_group(zygote, tmp_path):
