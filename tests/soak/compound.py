@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -24,12 +25,34 @@ from tests.integration import compound
 STEPS, GLOBAL = 40, 24
 
 
+def checked(outcome: dict, run_seed: Callable[[dict], None]) -> dict:
+    """``run_seed(outcome)`` for one seed, which fills ``outcome`` and raises if the seed broke an
+    invariant: ``outcome`` with ``ok``, the error if any, and the seconds it took. One seed's
+    failure is reported, and the others still run."""
+    started = time.monotonic()
+    try:
+        run_seed(outcome)
+        outcome["ok"] = True
+    except BaseException as exc:  # one seed's failure is reported, the others still run
+        outcome.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:800])
+        traceback.print_exc()
+    outcome["seconds"] = round(time.monotonic() - started, 1)
+    return outcome
+
+
+def summary(results: list[dict], **extra: Any) -> int:
+    """Print the soak's last line (seeds, passed, failed, faults fired, ``extra``); its exit status."""
+    failed = [r["seed"] for r in results if not r["ok"]]
+    print(json.dumps({"seeds": len(results), "passed": len(results) - len(failed), "failed": failed,
+                      "faults_fired": sum(len(r.get("fired", [])) for r in results), **extra}))
+    return 1 if failed else 0
+
+
 def one(seed: int, single: dict, workdir: str) -> dict:
     chaos = compound.schedule(seed, workers=3, steps=STEPS)
     run_dir = os.path.join(workdir, f"seed{seed}")
-    started = time.monotonic()
-    outcome = {"seed": seed, "chaos": chaos}
-    try:
+
+    def run_seed(outcome: dict) -> None:
         run = harness.unbroken(run_dir, "--nproc-per-node", "3", "--record-samples", "--heartbeat-timeout", "2",
                                "--chaos", chaos, harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.1",
                                "--out", f"{run_dir}/final", timeout=300)
@@ -38,12 +61,8 @@ def one(seed: int, single: dict, workdir: str) -> dict:
         harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
         outcome.update(harness.check_exactly_once(run_dir, STEPS, GLOBAL))
         outcome["max_relative_difference"] = harness.check_same_model(f"{run_dir}/final", single, harness.finished_members(run_dir))
-        outcome["ok"] = True
-    except BaseException as exc:  # one seed's failure is reported, the others still run
-        outcome.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:800])
-        traceback.print_exc()
-    outcome["seconds"] = round(time.monotonic() - started, 1)
-    return outcome
+
+    return checked({"seed": seed, "chaos": chaos}, run_seed)
 
 
 def main() -> int:
@@ -57,10 +76,7 @@ def main() -> int:
         for seed in range(args.first, args.first + args.seeds):
             results.append(one(seed, single, workdir))
             print(json.dumps(results[-1]), flush=True)
-    failed = [r["seed"] for r in results if not r["ok"]]
-    print(json.dumps({"seeds": len(results), "passed": len(results) - len(failed), "failed": failed,
-                      "faults_fired": sum(len(r.get("fired", [])) for r in results)}))
-    return 1 if failed else 0
+    return summary(results)
 
 
 if __name__ == "__main__":

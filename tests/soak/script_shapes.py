@@ -17,13 +17,12 @@ import os
 import random
 import sys
 import tempfile
-import time
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from testbed import harness  # noqa: E402
+from tests.soak.compound import checked, summary  # noqa: E402
 
 STEPS, GLOBAL, STOP_AT = 40, 24, 25
 
@@ -59,9 +58,8 @@ def one(seed: int, references: dict, workdir: str) -> dict:
     args = list(SHAPES[shape])
     if shape == "on-leader-eval":
         args += ["--eval-log", os.path.join(run_dir + "-evals.jsonl")]
-    started = time.monotonic()
-    outcome = {"seed": seed, "shape": shape, "chaos": chaos}
-    try:
+
+    def run_seed(outcome: dict) -> None:
         run = harness.unbroken(run_dir, "--nproc-per-node", "3", "--max-restarts", "4", "--record-samples",
                                "--heartbeat-timeout", "2", "--chaos", chaos, harness.EXACT, "--steps", str(STEPS),
                                "--step-delay", "0.2", *args, "--out", f"{run_dir}/final", timeout=300)
@@ -73,12 +71,8 @@ def one(seed: int, references: dict, workdir: str) -> dict:
         outcome.update(harness.check_exactly_once(run_dir, steps, GLOBAL))
         outcome["max_relative_difference"] = harness.check_same_model(f"{run_dir}/final", references[shape],
                                                                       harness.finished_members(run_dir))
-        outcome["ok"] = True
-    except BaseException as exc:  # one seed's failure is reported, the others still run
-        outcome.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:800])
-        traceback.print_exc()
-    outcome["seconds"] = round(time.monotonic() - started, 1)
-    return outcome
+
+    return checked({"seed": seed, "shape": shape, "chaos": chaos}, run_seed)
 
 
 def main() -> int:
@@ -96,12 +90,8 @@ def main() -> int:
         for seed in range(args.first, args.first + args.seeds):
             results.append(one(seed, references, workdir))
             print(json.dumps(results[-1]), flush=True)
-    failed = [r["seed"] for r in results if not r["ok"]]
-    print(json.dumps({"seeds": len(results), "passed": len(results) - len(failed), "failed": failed,
-                      "faults_fired": sum(len(r.get("fired", [])) for r in results),
-                      "catch_ups": sum(len(r.get("catch_ups", [])) for r in results),
-                      "unverified_catch_ups": sum(1 for r in results for c in r.get("catch_ups", []) if not c["verified"])}))
-    return 1 if failed else 0
+    return summary(results, catch_ups=sum(len(r.get("catch_ups", [])) for r in results),
+                   unverified_catch_ups=sum(1 for r in results for c in r.get("catch_ups", []) if not c["verified"]))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,6 @@ class Donation:
         self.records: queue.Queue = queue.Queue()
         self.failed: str | None = None
         self.steps = 0
-        self._ending = threading.Event()
         self._ended = threading.Event()
         self._digested = threading.Event()
         self._lock = threading.Lock()
@@ -130,7 +129,6 @@ class Donation:
         (read on the stream's thread: :meth:`settle` before the state next changes).
         ``at_boundary``: at a step boundary, where nothing of the next step has run yet."""
         self.records.put(("end", digest, at_boundary))
-        self._ending.set()
 
     def settle(self, timeout: float) -> None:
         """Before this member's state next changes: wait until the end's digest has been read

@@ -91,15 +91,15 @@ class GenerationGroup:
         self.works: list[Any] = []
         """Collectives issued on this group that may still be pending (completed ones are pruned)."""
         self.side_groups: list[tuple[Any, Any]] = []
+        """(purpose, group) of groups made within this generation for one purpose (a heal's
+        lanes): they live as long as this one, so that they are released with it, once nothing
+        can be pending on them."""
         self.script: Any = None
         """This member's :class:`~unbroken.worker.script_collectives.ScriptCollectives` in this
         generation, made when the script's first collective inside a step comes."""
         self.also_check: Callable[[], None] | None = None
         """Called after each idle slice of a wait (a second without news): a step's gradient
         exchange says there how many collectives of its own the script made (it may raise)."""
-        """(purpose, group) of groups made within this generation for one purpose (a heal's
-        lanes): they live as long as this one, so that they are released with it, once nothing
-        can be pending on them."""
 
     # -- construction --------------------------------------------------------------------------
 

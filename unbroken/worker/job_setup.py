@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken.data.data_plan import DataPlan
 from unbroken.data.loader import check_dataset
+from unbroken.worker.step_loop import OPEN_ENDED
 
 if TYPE_CHECKING:
     from unbroken.observe.events import EventLog
@@ -83,8 +84,6 @@ def default_group(settings: RuntimeSettings, distributed: bool, group: GroupMemb
 
 def emit_step(events: Any, step: Any, samples: int, total: int | None) -> None:
     """The ``step`` event of a commit (the leader's): what the console and the report show."""
-    from unbroken.worker.step_loop import OPEN_ENDED
-
     events.emit("step", step=step.index, generation=step.generation, members=step.members,
                 seconds=time.monotonic() - step.started, loss=step.loss, samples=samples,
                 total=total if total is not None and total < OPEN_ENDED else None)

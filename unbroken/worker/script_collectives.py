@@ -103,7 +103,7 @@ class ScriptCollectives:
 
         if step != self.step:
             if self.step is not None and self.group.rank == 0:
-                self._forget(self.step, self.count)
+                self._forget(self.step)
             self.step, self.count = step, 0
         self.count += 1
         k, group, mine = self.count, self.group, signature(op, args)
@@ -135,7 +135,7 @@ class ScriptCollectives:
             self.pg = self._build()  # every member is here: they make it together
         return self.pg
 
-    def _forget(self, step: int, count: int) -> None:
+    def _forget(self, step: int) -> None:
         """Rank 0, at a new step: drop the counters of the steps before the last (the others
         may still be reading the last step's). Keeps the store from growing with the job."""
         keep = [entry for entry in self._keys if entry[0] >= step]

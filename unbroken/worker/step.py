@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from unbroken.worker import mixed_precision
+from unbroken.worker.script_collectives import for_group
 from unbroken.errors import GenerationFailed, LoopMisuse
 
 if TYPE_CHECKING:
@@ -213,8 +214,6 @@ class Step:
         if job._default_group is not None and group is not None:
             # a member that waits here while another waits in a collective of the script's own
             # that this member never made: both learn it (unbroken.worker.script_collectives)
-            from unbroken.worker.script_collectives import for_group
-
             script = for_group(group, job._joiner.report_job_failure)
             group.also_check = lambda: script.in_exchange(self.index)
         try:
