@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -237,16 +238,32 @@ class CommittingOptimizer:
 def adopt_scheduler(scheduler: Any, committing: Callable[[], bool]) -> Any:
     """Make ``scheduler.step()`` the commit's alone: the job steps it once per committed step
     (and a catch-up's replay the same), while the loop's own calls, however many per step, do
-    nothing. Returns ``scheduler``."""
-    real = scheduler.step
+    nothing. Returns ``scheduler``, the same object (a script that kept its own name for it calls
+    the same ``step``).
 
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if committing():
-            return real(*args, **kwargs)
-        return None  # the loop's own call: the commit steps it
-
-    scheduler.step = step
+    The object's class becomes a subclass whose ``step`` asks ``committing``, kept outside the
+    object: an attribute would be part of ``scheduler.state_dict()`` (torch's is the object's
+    ``__dict__``) and a closure there makes every heal and catch-up of the state fail to pickle."""
+    cls = type(scheduler)
+    if cls not in _ADOPTED_CLASSES:
+        if cls in _ADOPTED_CLASSES.values():  # adopted already (a second setup of the same scheduler)
+            _COMMITTING[scheduler] = committing
+            return scheduler
+        _ADOPTED_CLASSES[cls] = type(cls.__name__, (cls,), {"step": _committed_step, "__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__})
+    scheduler.__class__ = _ADOPTED_CLASSES[cls]
+    _COMMITTING[scheduler] = committing
     return scheduler
+
+
+_ADOPTED_CLASSES: dict[type, type] = {}
+_COMMITTING: "weakref.WeakKeyDictionary[Any, Callable[[], bool]]" = weakref.WeakKeyDictionary()
+
+
+def _committed_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+    if _COMMITTING[self]():
+        return super(type(self), self).step(*args, **kwargs)
+    return None  # the loop's own call: the commit steps it
 
 
 class CommittedScheduler:

@@ -87,3 +87,35 @@ def load_state(objects: TrainingObjects, state: dict[str, Any], restore_runtime:
     if objects.scaler is not None and state.get("scaler"):  # absent from older states
         objects.scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], objects.device)
+
+
+_PART_NAMES = {"model": "the model's state_dict", "optimizer": "the optimizer's state_dict",
+               "scheduler": "the scheduler's state_dict", "extra": "extra_state.state_dict()",
+               "scaler": "the GradScaler's state_dict"}
+
+
+def check_sendable(state: dict[str, Any]) -> None:
+    """Refuse, before the first step, a state that no heal, catch-up or checkpoint could carry.
+
+    Each part goes through the heal's own path (:func:`~unbroken.worker.healing.split`, then the
+    receiver's restricted reader): its tensors are not copied, only the structure around them is
+    pickled. Without this a survivor would meet the error only when a peer needs its state, the
+    one moment the job cannot afford it, and the job would start over from its last checkpoint.
+
+    Raises:
+        ConfigError: naming the part and what in it could not be carried.
+    """
+    from unbroken.worker import healing
+
+    for key, what in _PART_NAMES.items():
+        if state.get(key) is None:
+            continue
+        try:
+            skeleton, tensors = healing.split(state[key])
+            healing.join(skeleton, tensors)
+        except Exception as exc:  # noqa: BLE001 - any failure to pickle or to read back is the same refusal
+            raise ConfigError(
+                f"{what} cannot be sent to a peer or written to a checkpoint ({type(exc).__name__}: {exc}). A heal, a"
+                " catch-up and a checkpoint carry the training state as plain data: numbers, strings, containers,"
+                " tensors and numpy arrays (add other types with torch.serialization.add_safe_globals); keep"
+                " functions, locks and open files out of it") from exc

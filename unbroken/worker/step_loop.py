@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from unbroken.errors import GenerationFailed
 from unbroken.worker import loop_exit
+from unbroken.worker.job_state import check_sendable
 from unbroken.worker.step import Step
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def steps_alone(job: LoopingJob, total: int) -> Iterator[Step]:
 def steps_together(job: LoopingJob, total: int) -> Iterator[Step]:
     """Under a coordinator: join, heal, step, commit or redo, until every member is at ``total``."""
     finished = stopping = False
+    check_sendable(job._state())  # before any peer needs it: a survivor must be able to heal the others
     job._loader.start(total)  # forks the loader workers before any thread of the runtime runs
     job._joiner.start()
     # Whether to resume from a checkpoint is decided when a generation forms (see Healer.heal).

@@ -9,6 +9,7 @@ import torch
 
 from unbroken.errors import ConfigError
 from unbroken.integrations.fabric import Fabric, UnsupportedFeature
+from unbroken.worker.job_state import check_sendable
 
 
 @pytest.fixture(autouse=True)
@@ -87,6 +88,10 @@ def test_a_scheduler_given_to_setup_is_stepped_once_per_committed_step_and_is_in
     _train(fabric, model, optimizer, loader, scheduler)
     assert scheduler.last_epoch == 3, "once per committed step, not once per batch (6)"
     assert fabric.job.scheduler is scheduler and fabric.job._state()["scheduler"]["last_epoch"] == 3
+    # what a heal or a catch-up sends: the scheduler's state_dict once held the adopted step, a
+    # closure, and every transfer of the state failed to pickle (the survivor died mid-heal)
+    assert "step" not in fabric.job._state()["scheduler"]
+    check_sendable(fabric.job._state())
 
 
 def test_a_scheduler_on_the_optimizer_but_not_given_to_setup_is_refused():
