@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import gc
 import multiprocessing
 import os
 from typing import Any, Callable, Iterator
@@ -190,6 +191,10 @@ class Loader:
             # the workers' base seed is drawn from this, not from the training's global generator
             generator=torch.Generator().manual_seed(self.plan.seed),
         )
+        # Garbage first: a cycle that still holds a process group or a store (a notebook's or a
+        # test's earlier job) would be collected in a forked worker, whose C++ destructor then
+        # joins threads that do not exist there: the worker hangs or aborts ("std::system_error").
+        gc.collect()
         self._iterator = iter(self._loader)  # forks the workers; nothing to load yet
         atexit.register(self.close)
 

@@ -388,3 +388,54 @@ def test_random_windows_drawn_per_position_are_the_same_whoever_draws_them():
     one = windows(1, 12)
     assert one == windows(3, 2) == windows(4, 3)
     assert len(one) == 36 and len(set(one)) > 30  # random starts, not one window again and again
+
+
+GARBAGE_BEFORE_FORK = """
+import datetime, gc, sys, torch, torch.distributed as dist
+from unbroken.worker.runtime import Job
+torch.set_num_threads(1)
+
+class Cycle:  # an earlier job's process group and store, unreachable but not yet collected
+    pass
+
+gc.disable()  # no automatic collection in this process before the fork: where it happens is luck
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+cycle = Cycle()
+cycle.group, cycle.store, cycle.me = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10)), store, cycle
+del cycle, store
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+    def __getitem__(self, i):
+        gc.collect()  # in the loader worker, as an allocation-heavy __getitem__ makes it run
+        return torch.full((2,), float(i)), torch.ones(1)
+
+model = torch.nn.Linear(2, 1)
+job = Job(model, torch.optim.SGD(model.parameters(), lr=0.01), Data(), global_batch_size=8, micro_batch_size=4, num_workers=2)
+for step in job.steps(total=3):
+    for x, y in step.micro_batches():
+        step.backward(torch.nn.functional.mse_loss(model(x), y))
+    step.commit()
+print("trained", job.next_step)
+"""
+
+
+def test_loader_workers_forked_beside_uncollected_distributed_objects_neither_hang_nor_abort(tmp_path):
+    """A fresh process (what it leaves behind cannot reach other tests): garbage that holds a Gloo
+    group is collected before the fork, not in a worker, where its destructor hung (or aborted
+    with "terminate called after throwing an instance of 'std::system_error'")."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "garbage_before_fork.py"
+    script.write_text(GARBAGE_BEFORE_FORK)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("the loader workers hung")
+    assert proc.returncode == 0 and "trained 3" in out, err[-2000:]
