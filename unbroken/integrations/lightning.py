@@ -41,6 +41,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError(f"unbroken.integrations.lightning needs PyTorch Lightning: pip install 'unbroken[lightning]' ({exc})") from None
 
 from unbroken.integrations.driven_loop import DrivenLoop, UnsupportedFeature, refuse
+from unbroken.integrations.lightning_parts import check_trainer, record_devices_argument
 
 
 def _refuse(feature: str) -> UnsupportedFeature:
@@ -146,6 +147,7 @@ class UnbrokenStrategy(SingleDeviceStrategy):
 
             device = local_device() if torch.cuda.is_available() else torch.device("cpu")
         super().__init__(device=device, **kwargs)
+        record_devices_argument()  # before the Trainer that takes this strategy resolves its devices
         self._global_batch_size, self._seed = global_batch_size, seed
         self._loop: DrivenLoop | None = None
         self._pending: Any = None  # the first step, taken before Lightning's loop starts
@@ -165,11 +167,12 @@ class UnbrokenStrategy(SingleDeviceStrategy):
         return self._loop is None or self._loop.job.is_leader
 
     def setup(self, trainer: "pl.Trainer") -> None:
+        check_trainer(trainer, self.precision_plugin)  # before the model is converted and anything trains
         _continue_csv_logs()
         # unbroken plans the training samples, and validation loaders are not sharded: no
         # DistributedSampler for any loader
         trainer._accelerator_connector.use_distributed_sampler = False
-        super().setup(trainer)
+        super().setup(trainer)  # converts the model to the precision plugin's dtype (convert_module), as Lightning does
 
     @property
     def handles_gradient_accumulation(self) -> bool:
@@ -233,6 +236,7 @@ class UnbrokenStrategy(SingleDeviceStrategy):
                 self.lightning_module.trainer.should_stop = True
                 return None
             for micro in step.micro_batches():
+                micro = self.precision_plugin.convert_input(micro)  # as Lightning's loop converts each batch it loads
                 with self.precision_plugin.train_step_context():
                     out = self.lightning_module.training_step(self.batch_to_device(micro), batch_idx)
                 loss = out["loss"] if isinstance(out, dict) else out

@@ -122,3 +122,86 @@ def test_a_new_leaders_csv_writer_continues_its_predecessors_metrics_file(tmp_pa
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1", "2", "3"] and rows[0]["val_loss"] == "2.0" and rows[2]["lr"] == "0.1"
+
+
+class Float32(L.LightningModule):
+    """A module written as Lightning's docs write one: float32 layers, float32 data; the Trainer's
+    ``precision`` chooses the dtype it trains in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1)
+        self.seen: set = set()
+
+    def training_step(self, batch, batch_idx):
+        self.seen.add(batch[0].dtype)
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.add(batch[0].dtype)
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _float32_loader(n: int = 64) -> torch.utils.data.DataLoader:
+    x = torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5]])), batch_size=4)
+
+
+@pytest.mark.parametrize("precision, dtype", [("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
+def test_a_true_precision_converts_the_model_and_every_micro_batch_it_trains_and_validates_on(precision, dtype):
+    model = Float32()
+    before = model.net.weight.detach().clone()
+    trainer = _trainer(max_steps=3, accumulate_grad_batches=2, precision=precision, val_check_interval=2)
+    trainer.fit(model, _float32_loader(), _float32_loader(16))
+    assert trainer.global_step == 3 and model.seen == {dtype} and "val_loss" in trainer.callback_metrics
+    assert all(p.dtype == dtype for p in model.parameters())
+    assert not torch.equal(model.net.weight.detach().to(before.dtype), before)  # it trained
+
+
+def test_fp16_mixed_precision_with_a_grad_scaler_is_refused_before_training():
+    from lightning.pytorch.plugins import MixedPrecision
+
+    model = Float32()  # (on a GPU, precision="16-mixed" makes this plugin; on the CPU it takes a scaler given)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(UnsupportedFeature, match="bf16-mixed"):
+        _trainer(max_steps=2, plugins=[plugin]).fit(model, _float32_loader())
+    assert model.seen == set()
+
+
+def test_a_gradient_accumulation_scheduler_is_refused_before_training_saying_what_to_set_instead():
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    model = Linear()
+    with pytest.raises(UnsupportedFeature, match=r"GradientAccumulationScheduler.*global_batch_size"):
+        _trainer(max_steps=2, callbacks=[GradientAccumulationScheduler({0: 2, 1: 4})]).fit(model, _loader())
+    assert model.batches == []
+
+
+@pytest.mark.parametrize("devices, num_nodes, named", [
+    (2, 1, r"devices=2.*unbroken run --nproc-per-node 2"),
+    ("2", 1, r"devices='2'.*unbroken run --nproc-per-node 2"),
+    (1, 2, r"num_nodes=2.*unbroken run --nnodes 2"),
+])
+def test_more_than_one_device_or_node_per_trainer_is_refused_naming_the_unbroken_run_flag(devices, num_nodes, named):
+    model = Linear()
+    trainer = L.Trainer(strategy=UnbrokenStrategy(), accelerator="cpu", devices=devices, num_nodes=num_nodes, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(UnsupportedFeature, match=named):
+        trainer.fit(model, _loader())
+    assert model.batches == []
+
+
+def test_devices_auto_is_one_device_per_worker_even_where_lightning_would_take_several(monkeypatch):
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    # as on a node of four GPUs, where "auto" (the Trainer's default) resolves to all four
+    monkeypatch.setattr(CPUAccelerator, "auto_device_count", staticmethod(lambda: 4))
+    model = Linear()
+    trainer = L.Trainer(strategy=UnbrokenStrategy(), accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 2
