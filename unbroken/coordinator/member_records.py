@@ -6,9 +6,11 @@ settings, and :func:`decide`, whether a new generation is formed now and with wh
 from __future__ import annotations
 
 import enum
+import math
+import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 
 _LIVE = frozenset(("waiting", "active"))
@@ -191,8 +193,8 @@ def decide(
     before = current.ranks if current is not None else {}
     waiting_ids = {m.id for m in waiting}
     order = [m for m in previous if m in waiting_ids]
-    newcomers = sorted((m for m in waiting if m.id not in before), key=lambda m: (m.joined_at, m.id))
-    order += [m.id for m in newcomers]
+    newcomers = [m for m in waiting if m.id not in before]
+    order += [m.id for m in sorted(newcomers, key=_seat(newcomers))]
     if settings.max_members is not None:
         order = order[: settings.max_members]
     return Decision(True, tuple(order), reason=f"{len(order)} member(s) ready")
@@ -202,3 +204,24 @@ def _counts_blocked(member: Member) -> int:
     """1 if ``member`` counts in :attr:`Membership._blocked_active` (ACTIVE, waiting in a
     collective), else 0: every change of its state or wait adds the difference."""
     return int(member.state is MemberState.ACTIVE and bool(member.blocked_on))
+
+
+_SLOT = re.compile(r"\.w(\d+)\.r\d+$")
+"""A launcher's member id, ``NODE.wSLOT.rRESTART`` (unbroken.launch.workers)."""
+
+
+def _seat(newcomers: list[Member]) -> Callable[[Member], tuple[float, float, float, str]]:
+    """The order newcomers take in a generation, after the members it keeps: node by node, in the
+    order the nodes' first members joined, and slot by slot within a node. The first generation's
+    leader (index 0) is then the lowest slot of the first node, as rank 0 is under torchrun,
+    whichever of its workers happened to join first; it stays the leader for as long as it lives
+    (kept members come first). Ids of another form keep the order they joined in."""
+    first_join: dict[str, float] = {}
+    for m in newcomers:
+        first_join[m.node] = min(first_join.get(m.node, m.joined_at), m.joined_at)
+
+    def seat(m: Member) -> tuple[float, float, float, str]:
+        slot = _SLOT.search(m.id)
+        return first_join[m.node], int(slot.group(1)) if slot else math.inf, m.joined_at, m.id
+
+    return seat

@@ -840,3 +840,13 @@ def test_a_member_whose_long_wait_just_ended_is_not_fenced_for_the_wait():
     waiter._blocked(None)  # the result came
     m.heartbeat("b", 5, 31.0, blocked_on=None, progress=waiter.job._ticks)
     assert m.expire(31.0) == [] and m.members["b"].state is MemberState.ACTIVE
+
+
+def test_the_first_leader_is_the_lowest_slot_of_the_first_node_and_stays_while_it_lives():
+    """As rank 0 under torchrun: not whichever worker's join arrived first (local rank 1 led 7 of 9
+    two-worker runs, and its rank-zero logger moved when it died)."""
+    m = _membership(expected_members=4)
+    for t, member in enumerate(["a.w1.r0", "b.w1.r0", "a.w0.r0", "b.w0.r0"]):
+        m.join(member, member.split(".")[0], pid=t, step=0, now=1.0 + t)
+    generation, _ = m.maybe_form(5.0)
+    assert generation.members == ("a.w0.r0", "a.w1.r0", "b.w0.r0", "b.w1.r0")
