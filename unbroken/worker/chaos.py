@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 
 from unbroken.errors import ConfigError
+from unbroken.worker.local_rank import local_rank
 
 KINDS = ("kill", "hang", "spin", "slow", "fail")
 POINTS = ("step", "micro", "allreduce", "commit", "heal", "donate", "save")
@@ -171,7 +172,7 @@ class Chaos:
     def from_env(cls) -> "Chaos":
         return cls(
             parse(os.environ.get(ENV, "")),
-            int(os.environ.get("LOCAL_RANK", "0")),
+            local_rank() or 0,
             int(os.environ.get("UNBROKEN_RESTART_COUNT", "0")),
             os.environ.get("UNBROKEN_RUN_DIR"),
             int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -247,7 +248,7 @@ class Chaos:
 
         options = {key: getattr(fault, attr) for key, attr in _SECONDS_KEYS.items() if getattr(fault, attr) is not None}
         if fault.rank == "random":
-            options["rank"] = int(os.environ.get("LOCAL_RANK", "0"))
+            options["rank"] = local_rank() or 0
         log = EventLog.for_run_dir(self.run_dir, f"chaos:{os.environ.get('UNBROKEN_MEMBER_ID', os.getpid())}")
         log.emit("fault", fault=fault.kind, point=fault.point, step=step, pid=os.getpid(), member=os.environ.get("UNBROKEN_MEMBER_ID"), **options)
         log.close()

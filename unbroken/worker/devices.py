@@ -18,6 +18,7 @@ import os
 import torch
 
 from unbroken.errors import ConfigError
+from unbroken.worker.local_rank import local_rank
 from unbroken.worker.backend_names import BACKENDS, check_backend_name  # noqa: F401 - offered here as before
 
 
@@ -37,7 +38,7 @@ def local_device() -> torch.device:
     usable, else the CPU. ``LOCAL_RANK`` is 0 outside ``unbroken run``."""
     if not cuda_usable():
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count())
+    return torch.device("cuda", (local_rank() or 0) % torch.cuda.device_count())
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -86,13 +87,13 @@ def gpus_shared() -> bool:
 
 def check_assigned(device: torch.device) -> None:
     """Under ``unbroken run``: refuse a model on a GPU that is not this worker's (``LOCAL_RANK``)."""
-    if device.type != "cuda" or "LOCAL_RANK" not in os.environ or not cuda_usable():
+    if device.type != "cuda" or local_rank() is None or not cuda_usable():
         return
     given = local_device()
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != given.index:
         raise ConfigError(
-            f"the model is on cuda:{index} but this worker (LOCAL_RANK={os.environ['LOCAL_RANK']}) was given {given};"
+            f"the model is on cuda:{index} but this worker (LOCAL_RANK={local_rank()}) was given {given};"
             " use model.to(unbroken.worker.devices.local_device())"
         )
 
