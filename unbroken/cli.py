@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import Sequence
 
-from unbroken.errors import UnbrokenError
+from unbroken.errors import ConfigError, UnbrokenError
 from unbroken.launch.run_flags import add_run, launch_settings, log_level_flag
 from unbroken.launch.torchrun_habits import log_level, port_number
 from unbroken.launch.slurm import DEFAULT_PORT
@@ -77,8 +77,10 @@ def _status(args: argparse.Namespace) -> int:
 
     import os
 
-    token = args.token or os.environ.get("UNBROKEN_TOKEN") or None
-    status = CoordinatorClient(args.address, timeout=args.timeout, token=token).status()
+    address, token = args.address, args.token or os.environ.get("UNBROKEN_TOKEN") or None
+    if os.path.isdir(address):  # a run directory: its embedded coordinator's address and token
+        address, token = _run_dir_coordinator(address, token)
+    status = CoordinatorClient(address, timeout=args.timeout, token=token).status()
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -93,6 +95,20 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  {m['member']:<28} {m['state']:<8} step {m['step']:<7} heartbeat {m['heartbeat_age']:.1f} s ago"
               + pace_text + (f"  ({m['reason']})" if m["reason"] else ""))
     return 0
+
+
+def _run_dir_coordinator(run_dir: str, token: str | None) -> tuple[str, str | None]:
+    """The address and token that ``unbroken run`` wrote to ``RUN_DIR/coordinator.json``."""
+    import os
+
+    path = os.path.join(run_dir, "coordinator.json")
+    try:
+        with open(path) as f:
+            recorded = json.load(f)
+        return str(recorded["address"]), token or recorded.get("token")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{run_dir} is a directory but {path} cannot be read ({exc}): give the run directory of an"
+                          " `unbroken run` whose coordinator is embedded, or the coordinator's HOST:PORT") from None
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -156,10 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_run(sub)
     _add_coordinator(sub)
     s = sub.add_parser("status", help="show a coordinator's generation and members")
-    s.add_argument("address", help="HOST:PORT of the coordinator")
+    s.add_argument("address", metavar="RUN_DIR|HOST:PORT",
+                   help="the run directory of an `unbroken run` (its coordinator.json gives the address and token),"
+                        " or the coordinator's HOST:PORT")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--timeout", type=float, default=5.0, help="give up after this many seconds (default 5)")
-    s.add_argument("--token", default=None, help="the coordinator's token (default: $UNBROKEN_TOKEN)")
+    s.add_argument("--token", default=None,
+                   help="the coordinator's token (default: $UNBROKEN_TOKEN, or RUN_DIR/coordinator.json's)")
     r = sub.add_parser("report", help="summarize a finished or running job from its event log; draw its timeline")
     r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (several: one per node, merged)")
     r.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")

@@ -186,8 +186,9 @@ class CoordinatorClient:
             conn.close()
         if response.status == 401:
             raise Unauthorized(
-                f"coordinator at {target[0]}:{target[1]} refused {path}: missing or wrong token"
-                " (pass --token or set UNBROKEN_TOKEN to the job's token)"
+                f"coordinator at {target[0]}:{target[1]} refused {path}: missing or wrong token (pass --token or set"
+                " UNBROKEN_TOKEN to the job's token; an `unbroken run` with an embedded coordinator writes it to"
+                " RUN_DIR/coordinator.json, and `unbroken status RUN_DIR` reads it there)"
             )
         if response.status == 503:
             if not own:

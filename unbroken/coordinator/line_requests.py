@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("unbroken.coordinator.server")
 
-WRONG_TOKEN = "missing or wrong token: pass --token or set UNBROKEN_TOKEN to the job's token"
+WRONG_TOKEN = ("missing or wrong token: pass --token or set UNBROKEN_TOKEN to the job's token (an `unbroken run` with an"
+               " embedded coordinator writes it to RUN_DIR/coordinator.json; `unbroken status RUN_DIR` reads it there)")
 """The error of a request without the job's token (the same on both servers of the port)."""
 
 

@@ -65,3 +65,21 @@ def test_a_member_that_differs_from_the_job_is_refused_naming_each_difference(co
     assert "b" not in {m["member"] for m in client.status()["members"]}  # never became a member
     same = client.post("/v1/join", member="c", node="m", pid=3, step=0, after=0, preflight=dict(PREFLIGHT))
     assert same["status"] == "formed" and same["members"] == ["a", "c"]
+
+
+def test_status_of_a_run_directory_reads_the_address_and_token_there(coordinator, tmp_path, capsys):
+    """What `unbroken run` writes for its embedded coordinator is enough: no --token, no address.
+    Without it the 401 says where the token is."""
+    import json
+
+    from unbroken.cli import main
+
+    (tmp_path / "coordinator.json").write_text(json.dumps({"address": f"127.0.0.1:{coordinator.port}", "token": "s3cret"}))
+    assert main(["status", str(tmp_path)]) == 0
+    assert "generation 0" in capsys.readouterr().out
+    assert main(["status", f"127.0.0.1:{coordinator.port}"]) == 2
+    assert "RUN_DIR/coordinator.json" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nowhere")]) == 2  # neither a run directory nor HOST:PORT
+    (tmp_path / "empty").mkdir()
+    assert main(["status", str(tmp_path / "empty")]) == 2
+    assert "coordinator.json cannot be read" in capsys.readouterr().err
