@@ -180,9 +180,9 @@ class LaunchSettings:
 
             check_backend_available(self.backend)
         if self.chaos:
-            from unbroken.worker.chaos import parse
+            from unbroken.worker.chaos import check_reachable, parse
 
-            parse(self.chaos)
+            check_reachable(parse(self.chaos), self.nproc_per_node)
         from unbroken.storage.checkpoint_settings import CheckpointSettings
 
         CheckpointSettings(self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)  # validates

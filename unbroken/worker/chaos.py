@@ -23,7 +23,7 @@ Every fault writes a ``fault`` event (kind, point, step, pid, member and its opt
 event log as it fires.
 Conditions: ``rank=`` local rank on its node, or ``rank=random``: one local rank drawn from
 ``seed=`` (default 0) and the fault's position in the schedule, the same in every worker of the
-node; ``step=`` the step is at least this; ``at=`` at least this many seconds have passed since the
+node, or ``rank=leader``: the member that leads its generation when the point is reached; ``step=`` the step is at least this; ``at=`` at least this many seconds have passed since the
 process started its first step; ``restart=`` the process's restart count (default 0: only the first
 incarnation).
 
@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from unbroken.errors import ConfigError
 from unbroken.worker.local_rank import local_rank
@@ -51,7 +52,7 @@ ENV = "UNBROKEN_CHAOS"
 _INT_KEYS = ("rank", "step", "restart", "seed")
 _SECONDS_KEYS = {"for": "duration", "at": "at", "sleep": "sleep", "by": "by"}
 _HELP = (
-    "use rank=N, step=N or restart=N with N >= 0; rank=random with seed=N; at=SECONDS;"
+    "use rank=N, step=N or restart=N with N >= 0; rank=random with seed=N; rank=leader; at=SECONDS;"
     " for=SECONDS (hang, slow); sleep=SECONDS or by=FACTOR (slow)"
 )
 
@@ -60,7 +61,7 @@ _HELP = (
 class Fault:
     kind: str
     point: str
-    rank: int | str | None = None  # a local rank, "random", or None (any)
+    rank: int | str | None = None  # a local rank, "random", "leader", or None (any)
     step: int = 0
     restart: int = 0
     fired: bool = False
@@ -99,8 +100,8 @@ def parse(schedule: str) -> list[Fault]:
         for item in filter(None, rest.split(",")):
             key, eq, value = item.partition("=")
             parsed: int | float | str | None = None
-            if eq and key == "rank" and value == "random":
-                parsed = "random"
+            if eq and key == "rank" and value in ("random", "leader"):
+                parsed = value
             elif eq and key in _INT_KEYS:
                 parsed = _integer(value)
             elif eq and key in _SECONDS_KEYS:
@@ -130,6 +131,8 @@ def _check(fault: Fault, part: str) -> None:
 def target_rank(fault: Fault, index: int, local_world_size: int) -> int | None:
     """The local rank a fault applies to (None: any); ``rank=random`` draws it from the seed and
     the fault's index, so every worker of a node draws the same one."""
+    if fault.rank == "leader":
+        return None  # any process: whether it leads is known only when the point is reached
     if fault.rank != "random":
         return fault.rank  # type: ignore[return-value]
     return random.Random(fault.seed * 1_000_003 + index).randrange(max(1, local_world_size))
@@ -167,6 +170,8 @@ class Chaos:
         self._left: dict[str, float] = {}  # when each point was last left
         self._lock = threading.Lock()
         self._helpers: list[subprocess.Popen] = []
+        self.leading: Callable[[], bool] = lambda: False
+        """Whether this process leads its generation now (the Job sets it): for ``rank=leader``."""
 
     @classmethod
     def from_env(cls) -> "Chaos":
@@ -192,6 +197,8 @@ class Chaos:
 
     def _due(self, fault: Fault, name: str, step: int, now: float) -> bool:
         if fault.fired or fault.point != name or step < fault.step:
+            return False
+        if fault.rank == "leader" and not self.leading():
             return False
         if fault.at is not None and (self.first_step is None or now - self.first_step < fault.at):
             return False
@@ -247,8 +254,17 @@ class Chaos:
         from unbroken.observe.events import EventLog
 
         options = {key: getattr(fault, attr) for key, attr in _SECONDS_KEYS.items() if getattr(fault, attr) is not None}
-        if fault.rank == "random":
+        if fault.rank in ("random", "leader"):
             options["rank"] = local_rank() or 0
         log = EventLog.for_run_dir(self.run_dir, f"chaos:{os.environ.get('UNBROKEN_MEMBER_ID', os.getpid())}")
         log.emit("fault", fault=fault.kind, point=fault.point, step=step, pid=os.getpid(), member=os.environ.get("UNBROKEN_MEMBER_ID"), **options)
         log.close()
+
+
+def check_reachable(faults: list[Fault], local_ranks: int) -> None:
+    """Refuse a fault aimed at a local rank this node does not run: it could never fire, and a test
+    or a demo that counts on it would pass for the wrong reason."""
+    for fault in faults:
+        if isinstance(fault.rank, int) and fault.rank >= local_ranks:
+            raise ConfigError(f"fault {fault.kind}@{fault.point},rank={fault.rank} can never fire: this node runs local ranks"
+                              f" 0..{local_ranks - 1} (use rank=random or rank=leader to target one of them)")

@@ -139,6 +139,7 @@ class Job:
         self._ticks = 0  # progress: micro-batches, backwards, collectives entered (see _progress)
         self._generation_floor = 0  # the generation of a checkpoint resumed from
         self._chaos = Chaos.from_env()
+        self._chaos.leading = lambda: self.distributed and self._joiner.group is not None and self.is_leader
         run_dir = self.settings.run_dir or os.environ.get(RUN_DIR_ENV)
         self.run_dir = run_dir
         self._events = EventLog.for_run_dir(run_dir if self.distributed else None, f"worker:{self.member_id}")

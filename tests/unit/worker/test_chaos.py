@@ -311,3 +311,23 @@ def test_a_slowdown_fires_in_only_one_process_of_the_job(clock, tmp_path):
     second.point("step", 0)
     second.point("step", 1)
     assert clock.slept == [1]
+
+
+def test_rank_leader_fires_in_whichever_process_leads_when_the_point_is_reached(signals, tmp_path):
+    faults = "kill@allreduce,rank=leader,step=3"
+    first = Chaos(parse(faults), local_rank=0, restart=0, run_dir=str(tmp_path))
+    second = Chaos(parse(faults), local_rank=1, restart=0, run_dir=str(tmp_path))
+    leader = {"who": first}
+    first.leading, second.leading = (lambda: leader["who"] is first), (lambda: leader["who"] is second)
+    first.point("allreduce", 2)
+    leader["who"] = second  # local rank 1 leads by the time the step is reached
+    first.point("allreduce", 3)
+    assert signals == []
+    second.point("allreduce", 3)
+    assert signals == [(os.getpid(), signal.SIGKILL)]
+
+
+def test_a_fault_aimed_at_a_local_rank_the_node_does_not_run_is_refused():
+    chaos.check_reachable(parse("kill@step,rank=1;kill@step,rank=random;kill@step,rank=leader;kill@step"), 2)
+    with pytest.raises(ConfigError, match=r"kill@step,rank=7 can never fire: this node runs local ranks 0..1"):
+        chaos.check_reachable(parse("kill@step,rank=7"), 2)
