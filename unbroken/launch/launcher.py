@@ -125,6 +125,12 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         try:
             self._start_zygote()  # it imports torch while the coordinator starts
             self._start_coordinator()
+            if self.coordinator is None:  # another's: it must answer, as a coordinator, before workers start
+                from unbroken.launch.coordinator_probe import probe
+
+                if not probe(self.address, self.token, self._say, stopped=lambda: self._stop_signal is not None):
+                    self.reason = f"stopped by {signal.Signals(self._stop_signal).name}"
+                    return 130 if self._stop_signal == signal.SIGINT else 143
             self.client = CoordinatorClient(self.address, timeout=30.0, token=self.token)
             self._say(f"run directory {self.run_dir}, coordinator {self.address}, {len(self.workers)} worker(s)")
             from unbroken.observe.console import ProgressView

@@ -357,6 +357,8 @@ def main(argv: list[str]) -> None:
         _serve(sock)
     except _BecomeWorker as become:
         request = become.request
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the launcher is gone (it refused its flags or its coordinator while torch was imported)
     # the worker runs outside the handler: the script must see no exception in flight
     # (sys.exc_info(): an integration takes one for an error), and its own errors must not be
     # printed as raised "during handling of" the zygote's
