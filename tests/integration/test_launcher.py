@@ -1,5 +1,6 @@
 """The launcher: Ctrl-C and SIGTERM end the whole job cleanly; worker output is logged."""
 
+import json
 import os
 import re
 import signal
@@ -31,8 +32,17 @@ def test_a_signal_to_the_launcher_stops_every_worker_and_exits_with_its_code(tmp
     assert proc.returncode == code, err
     assert f"stopped by {signal.Signals(sig).name}" in err
     assert leftovers == []
-    summary = harness.Run(0, "", "", run_dir).summary()
+    run = harness.Run(0, "", "", run_dir)
+    summary = run.summary()
     assert all(w["state"] == "stopped" for w in summary["workers"])
+    # what happened is on record, and it is a stop, not a failure: every worker's exit (event and
+    # summary), no coordinator warning on the console, and `unbroken report` counts no failure
+    assert sorted(e["member"] for e in run.events("worker_exit")) == ["vm.w0.r0", "vm.w1.r0"]
+    assert all(len(w["exits"]) == 1 and "stopped by the launcher" in w["exits"][0]["how"] for w in summary["workers"])
+    assert "declared dead" not in err
+    report = subprocess.run([sys.executable, "-m", "unbroken", "report", run_dir, "--json", "--no-png"], capture_output=True,
+                            text=True, timeout=60)
+    assert json.loads(report.stdout)["failures"]["total"] == 0, report.stdout
 
 
 def test_a_module_given_with_dash_m_trains_as_a_script_would(tmp_path):

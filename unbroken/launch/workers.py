@@ -98,6 +98,10 @@ class WorkerProcesses:
     _exits: queue.Queue[tuple[Worker, subprocess.Popen, int, int]]
     """(slot, its process 0, exit status, which process of the group failed: 0 for a lone worker)"""
     _console_lock: threading.Lock
+    _stop_signal: int | None
+    """The signal that asked the launcher to stop (None: none did)."""
+
+    def _on_exit(self, worker: Worker, proc: subprocess.Popen, code: int, failed: int = 0) -> int | None: ...
 
     def _worker_env(self, worker: Worker) -> dict[str, str]:
         """The environment of ``worker``'s process(es), less the two variables that differ
@@ -338,6 +342,11 @@ class WorkerProcesses:
     def _shutdown(self) -> None:
         """Stop every worker still running: SIGTERM, then SIGKILL after the grace period (to the
         process group: every process of a replica group)."""
+        if self._stop_signal is not None:  # a Ctrl-C or SIGTERM: what follows is a stop, not failures
+            self.events.emit("shutdown", node=self.settings.node, signal=signal.Signals(self._stop_signal).name)
+            import logging  # the embedded coordinator's verdicts on the workers stopped here are expected
+
+            logging.getLogger("unbroken.coordinator").setLevel(logging.ERROR)
         running: list[Worker] = []
         for w in self.workers:
             if w.proc is not None and any(p.poll() is None for p in w.procs or [w.proc]):
@@ -359,3 +368,5 @@ class WorkerProcesses:
             for proc in w.procs or [w.proc]:
                 proc.wait()
             _signal_group(w.proc, signal.SIGKILL)  # children the worker started die with it
+            code = w.proc.returncode
+            self._on_exit(w, w.proc, code if code is not None else -signal.SIGKILL)  # its worker_exit, its exits entry

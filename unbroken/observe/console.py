@@ -70,6 +70,11 @@ class RunState:
         elif kind == "failure":
             if self.failure is None or not self.failure[2] or t - self.failure[0] > SAME_INCIDENT:
                 self.failure = (t, f"generation {event.get('generation')} broke ({event.get('member')}: a collective failed)", False)
+        elif kind == "worker_exit" and event.get("code") not in (0, None) and not str(event.get("how", "")).endswith("(stopped by the launcher)"):
+            if self.failure is None or t - self.failure[0] > SAME_INCIDENT:  # a crash the coordinator may never see
+                self.failure = (t, f"{event.get('member')} {event.get('how')}", False)
+        elif kind == "quarantine":
+            self.failure = (t, f"slot {event.get('local_rank')} quarantined after repeated crashes ({event.get('member')})", True)
         elif kind == "finished":
             self.finished = True
         elif kind == "job_failed":

@@ -4,8 +4,10 @@ Failure-related events (``verdict``, ``failure``, a ``worker_exit`` with a non-z
 chaos ``fault``) that follow each other within :data:`INCIDENT_GAP` seconds are one incident. A
 SIGKILL therefore counts once, although the launcher reports the exit, the coordinator gives its
 verdict and a survivor reports the broken collective. The incident is classified by its
-strongest evidence (:data:`EVIDENCE`). A worker exit alone, with no verdict or failure from the
-coordinator near it (a worker stopped at the end of the job, or by Ctrl-C), is not a failure.
+strongest evidence (:data:`EVIDENCE`). A worker that crashed counts even where the coordinator
+never saw it (a script that fails before it joins, restarted until its slot is quarantined); one
+the launcher stopped on purpose (at the end of the job) does not; nor does anything
+about a node's members after its launcher's ``shutdown`` event (a Ctrl-C or SIGTERM).
 Each incident that hit the running generation is measured: its stall lasts until the next commit
 of a later generation, less one median step.
 """
@@ -61,6 +63,13 @@ def _is_failure_event(event: dict[str, Any]) -> bool:
     return kind in ("verdict", "failure", "fault")
 
 
+def _stopped(event: dict[str, Any], stops: dict[Any, float]) -> bool:
+    """Whether ``event`` concerns a member of a node whose launcher was stopping it (a Ctrl-C)."""
+    member = event.get("member")
+    node = member.rsplit(".", 2)[0] if isinstance(member, str) and member.count(".") >= 2 else None
+    return node in stops and event["t"] >= stops[node]
+
+
 def _generation_at(generations: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
     current = None
     for g in generations:
@@ -72,7 +81,8 @@ def _generation_at(generations: list[dict[str, Any]], t: float) -> dict[str, Any
 
 def incidents(events: list[dict[str, Any]], steps: list[dict[str, Any]], median_step: float) -> list[Incident]:
     """Group failure-related events into incidents and measure the stall each one caused."""
-    related = [e for e in events if _is_failure_event(e)]
+    stops = {e.get("node"): e["t"] for e in events if e["kind"] == "shutdown"}
+    related = [e for e in events if _is_failure_event(e) and not _stopped(e, stops)]
     chains: list[list[dict[str, Any]]] = []
     for event in related:
         if chains and event["t"] - chains[-1][-1]["t"] <= INCIDENT_GAP:
@@ -84,8 +94,9 @@ def incidents(events: list[dict[str, Any]], steps: list[dict[str, Any]], median_
     previous_end = -math.inf
     for chain in chains:
         coordinator = [e for e in chain if e["kind"] in ("verdict", "failure")]
-        if not coordinator:
-            continue  # an exit or a fault the coordinator never called a failure
+        crashed = [e for e in chain if e["kind"] == "worker_exit" and not str(e.get("how", "")).endswith("(stopped by the launcher)")]
+        if not coordinator and not crashed:
+            continue  # a fault the coordinator never called a failure
         kinds = [k for k in (evidence(e) for e in chain) if k is not None]
         kind = min(kinds, key=rank)
         members = []

@@ -148,3 +148,15 @@ def test_on_a_terminal_rich_draws_the_progress(tmp_path):
         view.stop()
     text = out.getvalue()
     assert "unbroken" in text and "step 50/100 (50%)" in text and "members 4" in text
+
+
+def test_a_crash_the_coordinator_never_saw_and_a_quarantine_are_failures_a_stop_is_not():
+    """A script that fails before it joins, restarted until its slot is quarantined, showed "no failures"."""
+    s = RunState()
+    s.feed({"t": T0, "kind": "worker_exit", "member": "n.w1.r3", "local_rank": 1, "code": -15,
+            "how": "killed by SIGTERM (stopped by the launcher)"})
+    assert s.describe(T0).endswith("no failures")
+    s.feed({"t": T0 + 1, "kind": "worker_exit", "member": "n.w1.r0", "local_rank": 1, "code": 1, "how": "exit code 1"})
+    assert s.describe(T0 + 2).endswith("last failure 0:01 ago: n.w1.r0 exit code 1")
+    s.feed({"t": T0 + 3, "kind": "quarantine", "member": "n.w1.r2", "local_rank": 1})
+    assert "slot 1 quarantined after repeated crashes (n.w1.r2)" in s.describe(T0 + 4)

@@ -166,16 +166,30 @@ def test_the_strongest_evidence_names_the_incident_and_separate_incidents_count_
     assert f["redone_steps"] == [10, 20]
 
 
-def test_exits_the_coordinator_never_called_failures_are_not_failures(tmp_path):
-    """Workers stopped at the end of the job (or by Ctrl-C) exit with a signal, with no verdict."""
+def test_exits_the_launcher_made_on_purpose_are_not_failures_and_crashes_it_alone_saw_are(tmp_path):
+    """Workers stopped at the end of the job exit with a signal, with no verdict: no failure. After a
+    Ctrl-C (the launcher's shutdown event) the coordinator's verdicts on that node's members are a
+    stop too. A worker that crashed before it ever joined (a script error, restarted until its slot
+    was quarantined) is one: the coordinator never saw it, and the report said "failures 0"."""
     e = Events()
-    e.add(T0, "generation", generation=1, members=["a", "b"])
+    e.add(T0, "generation", generation=1, members=["n.w0.r0", "n.w1.r0"])
     last = e.steps(0, 10, T0 + 0.1, generation=1, members=2)
-    e.add(last + 0.01, "finished", member="a", step=10)
-    e.add(last + 5.0, "worker_exit", "launcher:n", member="b", local_rank=1, code=-9, how="killed by SIGKILL")
+    e.add(last + 0.01, "finished", member="n.w0.r0", step=10)
+    e.add(last + 5.0, "worker_exit", "launcher:n", member="n.w1.r0", local_rank=1, code=-9,
+          how="killed by SIGKILL (stopped by the launcher)")
+    e.add(last + 10.0, "shutdown", "launcher:n", node="n", signal="SIGINT")
+    e.add(last + 10.1, "verdict", member="n.w0.r0", detected_by="connection", reason="its heartbeat connection closed")
+    e.add(last + 10.2, "worker_exit", "launcher:n", member="n.w0.r0", local_rank=0, code=-15,
+          how="killed by SIGTERM (stopped by the launcher)")
     e.write(tmp_path)
     f = figures_of(tmp_path)
     assert f["failures"]["total"] == 0 and f["incidents"] == []
+    for t, restart in ((last + 20.0, 1), (last + 22.0, 2)):
+        e.add(t, "worker_exit", "launcher:m", member=f"m.w0.r{restart}", local_rank=0, code=1, how="exit code 1")
+    e.add(last + 22.1, "quarantine", "launcher:m", member="m.w0.r2", local_rank=0)
+    e.write(tmp_path)
+    f = figures_of(tmp_path)
+    assert f["failures"]["total"] == 2 and f["failures"]["by_kind"] == {"launcher": 2}
 
 
 def test_a_worker_lost_outside_the_running_generation_is_a_failure_without_a_stall(tmp_path):
