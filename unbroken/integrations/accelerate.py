@@ -34,6 +34,7 @@ optimizers) is refused with an error naming it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from typing import Any
@@ -242,24 +243,103 @@ class Accelerator:
         if self.is_main_process:
             torch.save(obj, f)
 
-    def save_state(self, output_dir: str, **kwargs: Any) -> None:
-        """The leader saves the model's, optimizer's and scheduler's states in ``output_dir``;
-        call it on every worker at the same point (every worker's is the same). Durable
-        checkpoints that a restarted job resumes from are ``unbroken run --checkpoint-dir``'s."""
+    def save_state(self, output_dir: str, safe_serialization: bool = True, **kwargs: Any) -> None:
+        """The leader saves the model, optimizer and scheduler in ``output_dir`` in Accelerate's own
+        layout (``model.safetensors`` or ``pytorch_model.bin``, ``optimizer.bin``,
+        ``scheduler.bin``), which :meth:`load_state`, and Accelerate's, read back. Call it on every
+        worker at the same point (every worker's state is the same). Durable checkpoints that a
+        restarted job resumes from by itself are ``unbroken run --checkpoint-dir``'s."""
         job = self.job
 
         def save() -> None:
-            os.makedirs(output_dir, exist_ok=True)
-            torch.save(job.model.state_dict(), os.path.join(output_dir, "model.pt"))
-            torch.save(job.optimizer.state_dict(), os.path.join(output_dir, "optimizer.pt"))
-            if job.scheduler is not None:
-                torch.save(job.scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            from accelerate.utils import OPTIMIZER_NAME, SCHEDULER_NAME
 
+            os.makedirs(output_dir, exist_ok=True)
+            _save_weights(job.model.state_dict(), output_dir, safe_serialization)
+            torch.save(job.optimizer.state_dict(), os.path.join(output_dir, f"{OPTIMIZER_NAME}.bin"))
+            if job.scheduler is not None:
+                torch.save(job.scheduler.state_dict(), os.path.join(output_dir, f"{SCHEDULER_NAME}.bin"))
+
+        self._on_leader_or_last_leader(save)
+
+    def load_state(self, input_dir: str, **kwargs: Any) -> None:
+        """Load what :meth:`save_state` (or Accelerate's) wrote into the prepared model, optimizer
+        and scheduler, on every worker, before the training loop: every worker then starts from
+        the same state. The job's step count starts at 0 as with Accelerate (its loader is not
+        moved on either)."""
+        from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME
+
+        job = self.job
+        if job.total is not None:
+            raise _refuse("load_state() inside the training loop (call it after prepare(), before the loop)")
+        safe = os.path.join(input_dir, SAFE_WEIGHTS_NAME)
+        if os.path.exists(safe):
+            from safetensors.torch import load_file
+
+            weights = load_file(safe)
+        else:
+            weights = torch.load(os.path.join(input_dir, WEIGHTS_NAME), weights_only=True)
+        job.model.load_state_dict(weights)
+        job.optimizer.load_state_dict(torch.load(os.path.join(input_dir, f"{OPTIMIZER_NAME}.bin"), weights_only=True))
+        scheduler = os.path.join(input_dir, f"{SCHEDULER_NAME}.bin")
+        if job.scheduler is not None and os.path.exists(scheduler):
+            job.scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def save_model(self, model: Any, save_directory: str, safe_serialization: bool = True, **kwargs: Any) -> None:
+        """The model's weights in ``save_directory``, as Accelerate writes them, by the leader."""
+        def save() -> None:
+            os.makedirs(save_directory, exist_ok=True)
+            _save_weights(model.state_dict(), save_directory, safe_serialization)
+
+        self._on_leader_or_last_leader(save)
+
+    def _on_leader_or_last_leader(self, fn: Any) -> None:
+        job = self.job
         if self._loop.finished:  # after the job's end: every member holds the final model; its last leader saves
             if job.is_leader:
-                save()
+                fn()
             return
-        job.on_leader(save)
+        job.on_leader(fn)
+
+    # -- harmless: what Accelerate's examples call that changes nothing here ---------------------
+
+    mixed_precision = "no"
+    """Always ``"no"``: mixed precision through Accelerate is refused (a GradScaler goes to unbroken.Job)."""
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, Any]:
+        return model.state_dict()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Any:
+        """Every worker runs the block (as Accelerate's does, the main process first there): each
+        prepares its own data; nothing here waits for another worker."""
+        yield
+
+    local_main_process_first = main_process_first
+
+    def on_main_process(self, function: Any) -> Any:
+        """A decorator: ``function`` runs on the leader alone (the current one), as :meth:`print` does."""
+        @functools.wraps(function)
+        def on_leader(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_main_process else None
+
+        return on_leader
+
+    on_local_main_process = on_main_process
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Collect garbage (and the CUDA cache); like Accelerate's, returns ``None`` for each object."""
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    release_memory = free_memory
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Nothing: no tracker is initialised (``log_with`` is refused), as Accelerate's does then."""
 
     def end_training(self) -> None:
         """End the job here, for every worker that ends it at the same step (idempotent; also at exit)."""
@@ -267,4 +347,34 @@ class Accelerator:
             self._loop.finish()
 
     def __getattr__(self, name: str) -> Any:
-        raise _refuse(f"Accelerator.{name}")
+        reason = REFUSED_METHODS.get(name)
+        raise _refuse(f"Accelerator.{name}" + (f" ({reason})" if reason else ""))
+
+
+def _save_weights(state: dict[str, Any], directory: str, safe_serialization: bool) -> None:
+    from accelerate.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        torch.save(state, os.path.join(directory, WEIGHTS_NAME))
+
+
+REFUSED_METHODS = {
+    "skip_first_batches": "unbroken plans the samples: a worker that comes back resumes in the job's step by itself",
+    "autocast": "mixed precision through Accelerate; pass a torch.amp.GradScaler to unbroken.Job, or train in the model's dtype",
+    "init_trackers": "trackers; log on the leader: if accelerator.is_main_process",
+    "get_tracker": "trackers; log on the leader: if accelerator.is_main_process",
+    "register_for_checkpointing": "objects of your own in save_state; give them to unbroken.Job(extra_state=...) to heal them",
+    "set_trigger": "a flag set on one process; stop every worker at one step with accelerator.job.stop()",
+    "check_trigger": "a flag set on one process; stop every worker at one step with accelerator.job.stop()",
+    "prepare_model": "preparing objects one by one; prepare the model, optimizer, loaders and scheduler in one prepare() call",
+    "prepare_optimizer": "preparing objects one by one; prepare them in one prepare() call",
+    "prepare_data_loader": "preparing objects one by one; prepare them in one prepare() call",
+    "prepare_scheduler": "preparing objects one by one; prepare them in one prepare() call",
+    "split_between_processes": "splitting work among the current processes, which change when workers come and go",
+    "pad_across_processes": "evaluation loaders are not sharded: every worker holds all of it already",
+}
+"""Accelerator methods that cannot keep unbroken's guarantees -> why, and what to do instead."""

@@ -87,7 +87,7 @@ def test_an_epoch_loop_trains_every_epoch_and_a_process_that_joins_late_catches_
     accelerator.save_state(str(tmp_path / "state"))  # after the last epoch, before the end: works
     accelerator.end_training()
     assert [s for _, s in seen] == list(range(12)) and [e for e, _ in seen] == [0] * 4 + [1] * 4 + [2] * 4
-    assert (tmp_path / "state" / "model.pt").exists()
+    assert {"model.safetensors", "optimizer.bin"} <= set(os.listdir(tmp_path / "state"))  # Accelerate's own layout
     # a restarted process runs the script from epoch 0 while the job stands at step 6 (epoch 1):
     # its first pass gives nothing, its second the rest of epoch 1, its third epoch 2
     first = accelerator.job._state()
@@ -102,7 +102,7 @@ def test_an_epoch_loop_trains_every_epoch_and_a_process_that_joins_late_catches_
     late.end_training()
     assert seen == [(1, 6), (1, 7), (2, 8), (2, 9), (2, 10), (2, 11)]
     late.save_state(str(tmp_path / "after"))  # after the job's end: the last leader saves
-    assert (tmp_path / "after" / "model.pt").exists()
+    assert (tmp_path / "after" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("argument, named", [
@@ -116,8 +116,10 @@ def test_accelerate_features_that_would_change_the_model_are_refused_by_name(arg
 
 def test_unsupported_methods_and_a_second_prepare_are_refused_by_name():
     accelerator = Accelerator()
-    with pytest.raises(UnsupportedFeature, match="Accelerator.skip_first_batches"):
+    with pytest.raises(UnsupportedFeature, match=r"Accelerator.skip_first_batches \(unbroken plans the samples"):
         accelerator.skip_first_batches
+    with pytest.raises(UnsupportedFeature, match=r"Accelerator.set_trigger \(.*accelerator.job.stop\(\)"):
+        accelerator.set_trigger
     accelerator.prepare(*_objects())
     with pytest.raises(UnsupportedFeature, match="a second call to prepare"):
         accelerator.prepare(*_objects())
@@ -129,3 +131,35 @@ def test_prepare_without_a_training_loader_or_with_a_too_small_data_set_says_wha
         Accelerator().prepare(model, optimizer)
     with pytest.raises(ConfigError, match="holds 4 samples, fewer than one step's global batch of 8"):
         Accelerator(gradient_accumulation_steps=2).prepare(model, optimizer, loader)
+
+
+def test_save_state_and_load_state_round_trip_in_accelerates_layout_readable_by_accelerate(tmp_path):
+    model, optimizer, loader = _objects(n=32)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    accelerator = Accelerator(gradient_accumulation_steps=2, max_steps=5)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    _epochs(accelerator, model, optimizer, loader, 2, [])
+    accelerator.save_state(str(tmp_path / "state"))
+    saved = copy.deepcopy(model.state_dict())
+    # the names and the format Accelerate's own load_state reads
+    from safetensors.torch import load_file
+    assert all(torch.equal(load_file(str(tmp_path / "state" / "model.safetensors"))[k], v) for k, v in saved.items())
+    model2, optimizer2, loader2 = _objects(n=32)
+    scheduler2 = torch.optim.lr_scheduler.StepLR(optimizer2, step_size=2, gamma=0.5)
+    again = Accelerator(gradient_accumulation_steps=2, max_steps=5)
+    model2, optimizer2, loader2, scheduler2 = again.prepare(model2, optimizer2, loader2, scheduler2)
+    again.load_state(str(tmp_path / "state"))
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in saved.items())
+    assert scheduler2.last_epoch == scheduler.last_epoch and optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_the_harmless_methods_of_accelerates_examples_work():
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(*_objects())
+    assert accelerator.mixed_precision == "no"
+    with accelerator.main_process_first():
+        ran = True
+    assert ran and accelerator.on_main_process(lambda: 3)() == 3  # a single process leads
+    assert accelerator.free_memory(model, optimizer) == [None, None]
+    accelerator.log({"loss": 1.0}, step=0)
+    assert accelerator.get_state_dict(model).keys() == model.state_dict().keys()
