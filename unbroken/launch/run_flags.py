@@ -7,7 +7,14 @@ import argparse
 from typing import TYPE_CHECKING, Any, Mapping
 
 from unbroken.errors import ConfigError
-from unbroken.launch.torchrun_habits import log_level, nproc_per_node, port_number, positive_int, refuse_torchrun_flags
+from unbroken.launch.torchrun_habits import (
+    accept_torchrun_flags,
+    log_level,
+    nproc_per_node,
+    port_number,
+    positive_int,
+    refuse_torchrun_flags,
+)
 
 if TYPE_CHECKING:
     from unbroken.launch.launch_settings import LaunchSettings
@@ -45,6 +52,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                    help="SCRIPT is a module, run as `python -m SCRIPT` (torchrun's -m; default: a file)")
     log_level_flag(p)
     refuse_torchrun_flags(p)
+    accept_torchrun_flags(p)
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -116,10 +124,14 @@ def _add_run_supervision(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
     _flag(p, "--restart-backoff", type=float, default=d["restart_backoff"].default,
           help="restart delay after a slot's first failure within the window; doubles with each further one (default %(default)s)")
     _flag(p, "--max-restart-backoff", type=float, default=d["max_restart_backoff"].default, help="upper bound of the restart delay (default %(default)s)")
-    _flag(p, "--shutdown-grace", type=float, default=d["shutdown_grace"].default,
-          help="seconds between SIGTERM and SIGKILL at shutdown; once the job finished, how long a worker that has not"
-          " left the training loop gets before SIGKILL (default %(default)s)")
-    _flag(p, "--tee", type=int, default=None, help="show this slot's output on the console: a local rank, or with --group-size a replica group's process 0 (default: lowest alive)")
+    p.add_argument("--shutdown-grace", "--shutdown_grace", "--shutdown-timeout", "--shutdown_timeout", type=float,
+                   default=d["shutdown_grace"].default, dest="shutdown_grace",
+                   help="seconds between SIGTERM and SIGKILL at shutdown (torchrun's --shutdown-timeout); once the job"
+                   " finished, how long a worker that has not left the training loop gets before SIGKILL (default %(default)s)")
+    p.add_argument("--tee", "--local-ranks-filter", "--local_ranks_filter", type=int, default=None, dest="tee",
+                   help="show this slot's output on the console: a local rank, or with --group-size a replica group's"
+                   " process 0 (default: lowest alive); torchrun's --local-ranks-filter with one rank. Every worker's"
+                   " output is also in RUN_DIR/workers/w<rank>.log")
     _flag(p, "--progress-interval", type=float, default=d["progress_interval"].default,
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")

@@ -17,7 +17,6 @@ from unbroken.errors import ConfigError
 NPROC_WORDS = ("gpu", "cpu", "auto")
 
 HINTS: dict[str, str] = {
-    "--standalone": "unbroken needs none: a single `unbroken run` starts its own coordinator on this node",
     "--rdzv-backend": "unbroken brings its own coordinator: give every node the same --rdzv-endpoint HOST:PORT"
     " (or --etcd for a replicated one)",
     "--rdzv-id": "a single coordinator needs no job id; with --etcd it is --job-id",
@@ -34,6 +33,18 @@ HINTS: dict[str, str] = {
     "--local-addr": "use --coordinator-advertise (with --etcd) or --node-name",
 }
 """torchrun's flags that ``unbroken run`` does not take, with what to use instead."""
+SHORT = {"--redirects": ["-r"]}
+"""torchrun's one-letter spellings of those flags."""
+
+
+def accept_torchrun_flags(parser: argparse.ArgumentParser) -> None:
+    """torchrun's flags that mean nothing different here, taken so that its command lines run:
+    ``--standalone`` (a single ``unbroken run`` starts its own coordinator on this node) and
+    ``--run-path`` (workers run the script with ``runpy.run_path`` already)."""
+    for names, what in ((["--standalone"], "torchrun's --standalone: accepted, nothing to do (this node starts its own"
+                         " coordinator unless --coordinator or --rdzv-endpoint names another)"),
+                        (["--run-path", "--run_path"], "torchrun's --run-path: accepted, what workers do anyway")):
+        parser.add_argument(*names, action="store_true", help=what, dest=f"_torchrun_{names[0][2:].replace('-', '_')}")
 
 
 class _Refuse(argparse.Action):
@@ -41,6 +52,7 @@ class _Refuse(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None) -> None:
         flag = (option_string or "").replace("_", "-")
+        flag = next((long for long, short in SHORT.items() if flag in short), flag)
         parser.error(f"{option_string} is torchrun's flag, not unbroken's: {HINTS[flag]}")
 
 
@@ -49,7 +61,7 @@ def refuse_torchrun_flags(parser: argparse.ArgumentParser) -> None:
     failing the parse (status 2) with the hint of :data:`HINTS`; both spellings (``--a-b`` and
     ``--a_b``), a value or none."""
     for flag in HINTS:
-        names = [flag] + ([flag.replace("-", "_").replace("__", "--", 1)] if "-" in flag[2:] else [])
+        names = [flag] + ([flag.replace("-", "_").replace("__", "--", 1)] if "-" in flag[2:] else []) + SHORT.get(flag, [])
         parser.add_argument(*names, nargs="?", action=_Refuse, help=argparse.SUPPRESS, dest=f"_torchrun_{flag[2:]}")
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from unbroken.launch import run_flags
 from unbroken.cli import build_parser, main
+from unbroken.launch.run_flags import launch_settings
 from unbroken.errors import ConfigError
 from unbroken.launch.launcher import LaunchSettings
 
@@ -46,8 +47,8 @@ RUN_FLAGS = [
     ["--start-grace", "--start_grace"],
     ["--restart-backoff", "--restart_backoff"],
     ["--max-restart-backoff", "--max_restart_backoff"],
-    ["--shutdown-grace", "--shutdown_grace"],
-    ["--tee"],
+    ["--shutdown-grace", "--shutdown_grace", "--shutdown-timeout", "--shutdown_timeout"],
+    ["--tee", "--local-ranks-filter", "--local_ranks_filter"],
     ["--progress-interval", "--progress_interval"],
     ["--chaos"],
     ["--record-samples", "--record_samples"],
@@ -60,6 +61,8 @@ RUN_FLAGS = [
     ["--etcd-port", "--etcd_port"],
     ["-m", "--module"],
     ["--log-level"],
+    ["--standalone"],
+    ["--run-path", "--run_path"],
 ]
 
 
@@ -345,7 +348,7 @@ def test_rdzv_endpoint_with_another_way_to_name_the_coordinator_is_refused():
         _placed("--rdzv-endpoint", "h:1", "--coordinator", "h:2")
 
 
-@pytest.mark.parametrize("flag", ["--standalone", "--rdzv-backend=c10d", "--rdzv_id", "--node_rank=1", "--master-port", "--log-dir"])
+@pytest.mark.parametrize("flag", ["-r", "--rdzv-backend=c10d", "--rdzv_id", "--node_rank=1", "--master-port", "--log-dir"])
 def test_a_torchrun_flag_unbroken_does_not_take_is_refused_with_ours(capsys, flag):
     with pytest.raises(SystemExit) as exited:
         main(["run", flag, "train.py"])
@@ -353,9 +356,17 @@ def test_a_torchrun_flag_unbroken_does_not_take_is_refused_with_ours(capsys, fla
     err = capsys.readouterr().err
     name = flag.split("=")[0]
     assert f"{name} is torchrun's flag, not unbroken's: " in err and "Traceback" not in err
-    ours = {"--standalone": "starts its own coordinator", "--rdzv-backend": "--rdzv-endpoint", "--rdzv_id": "--job-id",
+    ours = {"-r": "its own log", "--rdzv-backend": "--rdzv-endpoint", "--rdzv_id": "--job-id",
             "--node_rank": "--node-name", "--master-port": "--rdzv-endpoint", "--log-dir": "--run-dir"}[name]
     assert ours in err
+
+
+def test_torchruns_single_node_line_runs_as_it_is(script):
+    """`torchrun --standalone --nproc-per-node 2 --shutdown-timeout 5 --local-ranks-filter 1 train.py`."""
+    args = build_parser().parse_args(["run", "--standalone", "--run-path", "--nproc-per-node", "2", "--shutdown-timeout", "5",
+                                      "--local-ranks-filter", "1", script])
+    settings = launch_settings(args, {})
+    assert (settings.nproc_per_node, settings.shutdown_grace, settings.tee) == (2, 5.0, 1)
 
 
 def test_after_the_script_a_torchrun_flag_is_the_scripts():
