@@ -35,19 +35,37 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
     parser.add_argument(*names, **kwargs)
 
 
+class _OneSpellingHelp(argparse.HelpFormatter):
+    """``--help`` shows each flag once: torchrun's underscore spellings (``--nproc_per_node``) and
+    torchrun's other names for a flag are accepted but not listed (docs/guide/settings.md names them)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        shown = [o for o in action.option_strings if "_" not in o]
+        if action.option_strings and len(shown) > 1 and shown[0].startswith("--"):
+            shown = shown[:1]  # the first long name; its aliases (--shutdown-timeout) in the guide
+        if not action.option_strings or not shown:
+            return super()._format_action_invocation(action)
+        original, action.option_strings = action.option_strings, shown
+        try:
+            return super()._format_action_invocation(action)
+        finally:
+            action.option_strings = original
+
+
 def add_run(sub: argparse._SubParsersAction) -> None:
     from unbroken.launch.launch_settings import LaunchSettings
 
     d = LaunchSettings.__dataclass_fields__
     # allow_abbrev=False: the script's own flags (--warmup) must never be read as abbreviations of ours
-    p = sub.add_parser("run", help="run a training script on this node, surviving worker failures", allow_abbrev=False)
-    # in this order in the help and the CLI reference
-    _add_run_workers(p, d)
-    _add_run_coordinator(p, d)
-    _add_run_checkpoints(p, d)
-    _add_run_membership(p, d)
-    _add_run_supervision(p, d)
-    _add_run_replication(p, d)
+    p = sub.add_parser("run", help="run a training script on this node, surviving worker failures", allow_abbrev=False,
+                       formatter_class=_OneSpellingHelp, usage="unbroken run [flags] SCRIPT [script args]")
+    # in this order in the help and the CLI reference, one section each (torchrun's flags first)
+    _add_run_workers(p.add_argument_group("workers (torchrun's --nproc-per-node, --max-restarts)"), d)
+    _add_run_coordinator(p.add_argument_group("coordinator and liveness (torchrun's --rdzv-endpoint)"), d)
+    _add_run_checkpoints(p.add_argument_group("durable checkpoints"), d)
+    _add_run_membership(p.add_argument_group("membership and timeouts"), d)
+    _add_run_supervision(p.add_argument_group("restarts, shutdown, console and fault injection"), d)
+    _add_run_replication(p.add_argument_group("replicated coordinator (etcd)"), d)
     p.add_argument("-m", "--module", action="store_true",
                    help="SCRIPT is a module, run as `python -m SCRIPT` (torchrun's -m; default: a file)")
     log_level_flag(p)

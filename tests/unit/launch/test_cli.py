@@ -460,3 +460,13 @@ def test_a_run_directory_that_cannot_be_made_is_refused_with_exit_2(capsys, tmp_
     script.write_text("")
     assert main(["run", "--run-dir", str(blocker / "x"), "--nproc-per-node", "1", str(script)]) == 2
     assert "cannot make the run directory" in capsys.readouterr().err
+
+
+def test_run_help_is_in_sections_with_each_flag_once(capsys):
+    """One flat list of 44 flags, each twice (its underscore spelling), was 185 lines."""
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: unbroken run [flags] SCRIPT [script args]")
+    assert "workers (torchrun's" in out and "durable checkpoints:" in out
+    assert "--nproc_per_node" not in out and "--shutdown-timeout" not in out and "--nproc-per-node NPROC_PER_NODE" in out
