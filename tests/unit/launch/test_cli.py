@@ -469,4 +469,6 @@ def test_run_help_is_in_sections_with_each_flag_once(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: unbroken run [flags] SCRIPT [script args]")
     assert "workers (torchrun's" in out and "durable checkpoints:" in out
-    assert "--nproc_per_node" not in out and "--shutdown-timeout" not in out and "--nproc-per-node NPROC_PER_NODE" in out
+    invocations = [line.split("  ")[1] for line in out.splitlines() if line.startswith("  -")]
+    assert "--nproc-per-node NPROC_PER_NODE" in invocations and "--shutdown-grace SHUTDOWN_GRACE" in invocations
+    assert not [i for i in invocations if "_" in i.split()[0] or i.split()[0].endswith(",") and i.split()[0] not in ("-h,", "-m,")]
