@@ -65,3 +65,34 @@ def test_a_restarted_worker_rejoins_with_lightnings_counters_at_the_jobs_step(tm
     harness.check_exactly_once(run_dir, steps, GLOBAL)
     single = example_runs.alone(SCRIPT, str(tmp_path / "single.pt"), "--steps", str(steps), "--dtype", "float64")
     assert harness.max_relative_difference(torch.load(out, weights_only=True), single) < 1e-8
+
+
+DOCS_STYLE = os.path.join(os.path.dirname(harness.EXACT), "lightning_docs_style.py")
+
+
+@pytest.mark.parametrize("killed", ["leader", "1"], ids=["leader", "other"])
+def test_a_docs_style_script_with_logger_checkpoints_and_early_stopping_survives_a_kill(tmp_path, killed):
+    """CSVLogger, ModelCheckpoint(save_top_k=2), EarlyStopping, validation every 5 steps. The killed
+    worker comes back while the survivor trains (it sleeps from the kill on) and is healed with the
+    callbacks' state: the logger goes on in one version directory, two checkpoints are left, exit 0,
+    the model of one process."""
+    module("lightning")
+    steps, run_dir, out, root = 30, str(tmp_path / "run"), str(tmp_path / "model.pt"), str(tmp_path / "root")
+    chaos = f"kill@allreduce,rank={killed},step=8;slow@commit,rank={'1' if killed == 'leader' else '0'},sleep=0.4,step=8"
+    run = harness.unbroken(run_dir, "--nproc-per-node", "2", "--record-samples", "--chaos", chaos, DOCS_STYLE,
+                           "--root", root, "--steps", str(steps), "--out", out, timeout=300)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    fault = run.events("fault")[0]
+    if killed == "leader":
+        assert fault["member"] == "vm.w0.r0", "the first leader is slot 0"
+    kill = fault["t"]
+    assert [e for e in run.events("generation") if e["t"] > kill and len(e["members"]) == 2], "the killed worker never rejoined"
+    logs_dir = os.path.join(root, "logs")
+    written = [v for v in os.listdir(logs_dir) if os.path.exists(os.path.join(logs_dir, v, "metrics.csv"))]
+    assert written == ["version_0"], "one logger version across leaders: a new leader continues its predecessor's"
+    assert len(os.listdir(os.path.join(root, "checkpoints"))) == 2, os.listdir(os.path.join(root, "checkpoints"))
+    logs = "".join(open(os.path.join(run_dir, "workers", f"w{i}.log")).read() for i in range(2))
+    assert "Traceback" not in logs, logs[-3000:]
+    harness.check_exactly_once(run_dir, steps, 16)
+    single = example_runs.alone(DOCS_STYLE, str(tmp_path / "single.pt"), "--root", str(tmp_path / "single"), "--steps", str(steps))
+    assert harness.max_relative_difference(torch.load(out, weights_only=True), single) < 1e-8

@@ -75,7 +75,7 @@ class _LightningState:
     and best score, ``ModelCheckpoint``'s best checkpoints...), as Lightning's own checkpoints
     keep them (keyed by ``Callback.state_key``). A worker healed into the job then takes the
     same decisions as the others: it stops when they stop, and as a new leader it knows which
-    checkpoint files its predecessor kept."""
+    checkpoint files its predecessor kept and writes its logs in the same version directory."""
 
     def __init__(self, trainer: "pl.Trainer") -> None:
         self._trainer = trainer
@@ -84,7 +84,10 @@ class _LightningState:
         from lightning.pytorch.trainer import call
 
         return {"schedulers": [c.scheduler.state_dict() for c in self._trainer.lr_scheduler_configs],
-                "callbacks": call._call_callbacks_state_dict(self._trainer)}
+                "callbacks": call._call_callbacks_state_dict(self._trainer),
+                # the version directory each logger writes to: the first heal gives every member the
+                # leader's, so a later leader continues its version_N (it chose the next free one)
+                "logger_versions": [getattr(logger, "version", None) for logger in self._trainer.loggers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from lightning.pytorch.trainer import call
@@ -93,6 +96,9 @@ class _LightningState:
             config.scheduler.load_state_dict(saved)
         if state.get("callbacks"):  # absent from states of earlier versions
             call._call_callbacks_load_state_dict(self._trainer, {"callbacks": state["callbacks"]})
+        for logger, version in zip(self._trainer.loggers, state.get("logger_versions") or ()):
+            if version is not None and hasattr(logger, "_version"):
+                logger._version = version
 
 
 def _continue_csv_logs() -> None:
