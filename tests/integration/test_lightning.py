@@ -82,6 +82,7 @@ def test_a_docs_style_script_with_logger_checkpoints_and_early_stopping_survives
     run = harness.unbroken(run_dir, "--nproc-per-node", "2", "--record-samples", "--chaos", chaos, DOCS_STYLE,
                            "--root", root, "--steps", str(steps), "--out", out, timeout=300)
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no process left behind")
     fault = run.events("fault")[0]
     if killed == "leader":
         assert fault["member"] == "vm.w0.r0", "the first leader is slot 0"
