@@ -160,7 +160,7 @@ class Trainer(transformers.Trainer):
                 step.backward(loss)
             grad_norm = None
             if args.max_grad_norm and args.max_grad_norm > 0 and step.reduce():
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm))
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)  # read when logged
             if not step.commit():
                 continue  # a member was lost: the step is redone
             self.state.global_step = job.next_step
@@ -201,7 +201,7 @@ class Trainer(transformers.Trainer):
         total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self._steps_per_epoch)
         self.create_optimizer_and_scheduler(num_training_steps=total)
         checkpoint = CheckpointSettings.from_env()
-        if checkpoint.directory is None and str(args.save_strategy) in ("steps", "SaveStrategy.STEPS") and args.save_steps:
+        if checkpoint.directory is None and args.save_strategy == "steps" and args.save_steps:
             every = int(args.save_steps) if args.save_steps >= 1 else max(1, math.ceil(args.save_steps * total))
             checkpoint = CheckpointSettings(os.path.join(args.output_dir, "unbroken-checkpoints"), every,
                                             args.save_total_limit or checkpoint.keep)
@@ -214,14 +214,14 @@ class Trainer(transformers.Trainer):
                   extra_state=_TrainerRecord(self), checkpoint=checkpoint)
         return job
 
-    def _log_evaluate(self, grad_norm: float | None, ignore_keys: list[str] | None) -> None:
+    def _log_evaluate(self, grad_norm: torch.Tensor | None, ignore_keys: list[str] | None) -> None:
         """The Trainer's logging and evaluation at this step, the same on every member."""
         args, step, record = self.args, self.state.global_step, self.job.extra_state
         if args.logging_strategy == "steps" and args.logging_steps and step % _every(args.logging_steps, self.state.max_steps) == 0:
             logs = {"loss": round(record.loss_sum / max(record.loss_steps, 1), 6),
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
             if grad_norm is not None:
-                logs["grad_norm"] = grad_norm
+                logs["grad_norm"] = float(grad_norm)
             record.loss_sum, record.loss_steps = 0.0, 0
             self.log(logs)
         if args.eval_strategy == "steps" and self.eval_dataset is not None and args.eval_steps \

@@ -97,6 +97,4 @@ def _describe(exc: BaseException) -> str:
         return "connection refused"
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return "no reply"
-    if isinstance(exc, http.client.RemoteDisconnected):
-        return "closed without a reply"
     return str(exc) or type(exc).__name__
