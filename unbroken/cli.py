@@ -149,7 +149,9 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--warmup-timeout", type=float, default=m["warmup_timeout"].default,
                    help="the same for a member's first step (default %(default)s)")
     c.add_argument("--busy-timeout", type=float, default=m["busy_timeout"].default,
-                   help="end a member whose checkpoint write or read has lasted this long (default %(default)s)")
+                   help="end a member whose work marked busy (a checkpoint snapshot, write or read; job.on_leader's fn"
+                        " on the leader; warming memory for a heal; leaving the loop) has lasted this long"
+                        " (default %(default)s)")
     c.add_argument("--quorum-timeout", type=float, default=m["quorum_timeout"].default,
                    help="fail the job if below --min-members this long (default %(default)s)")
     c.add_argument("--heartbeat-timeout", type=float, default=m["heartbeat_timeout"].default,

@@ -132,7 +132,8 @@ def _add_run_membership(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> Non
     _flag(p, "--warmup-timeout", type=float, default=d["warmup_timeout"].default,
           help="the same for a worker's first step (compilation, loading) (default %(default)s)")
     _flag(p, "--busy-timeout", type=float, default=d["busy_timeout"].default,
-          help="end a worker whose checkpoint write or read has lasted this long (default %(default)s)")
+          help="end a worker whose work marked busy (a checkpoint snapshot, write or read; job.on_leader's fn on the"
+          " leader; warming memory for a heal; leaving the loop) has lasted this long (default %(default)s)")
     _flag(p, "--quorum-timeout", type=float, default=d["quorum_timeout"].default, help="fail if below --min-members this long (default %(default)s)")
     _flag(p, "--start-grace", type=float, default=d["start_grace"].default, help="first generation waits this long for all workers (default %(default)s)")
 
@@ -148,8 +149,9 @@ def _add_run_supervision(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
                    " finished, how long a worker that has not left the training loop gets before SIGKILL (default %(default)s)")
     p.add_argument("--tee", "--local-ranks-filter", "--local_ranks_filter", type=int, default=None, dest="tee",
                    help="show this slot's output on the console: a local rank, or with --group-size a replica group's"
-                   " process 0 (default: lowest alive); torchrun's --local-ranks-filter with one rank. Every worker's"
-                   " output is also in RUN_DIR/workers/w<rank>.log")
+                   " process 0 (default: the job's leader when it runs on this node, else the lowest local rank alive);"
+                   " torchrun's --local-ranks-filter with one rank. Any worker's tracebacks and errors are shown too;"
+                   " every worker's whole output is in RUN_DIR/workers/w<slot>.log")
     _flag(p, "--progress-interval", type=float, default=d["progress_interval"].default,
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
