@@ -130,7 +130,7 @@ class MembershipSettings:
     """The same limit for a member that has not yet committed a step in its process (its first
     step compiles, imports and allocates)."""
     busy_timeout: float = 3600.0
-    """Longest deliberate work a member may mark busy (writing or reading a checkpoint) before it
+    """Longest deliberate work a member may mark busy (a checkpoint, an on_leader call, warming memory for a heal, leaving) before it
     is declared dead and ends itself, with a reason naming the work: a write stuck on a hung
     mount must not hold the job forever. Generous: a whole state written to slow storage."""
     forget_after: float = 600.0

@@ -46,6 +46,13 @@ class BalanceSettings:
     """A member whose pace estimate is below this fraction of the median member's for ``window``
     steps in a row is flagged as a straggler (once: it stays flagged until it is back above
     halfway to the median's pace for ``window`` steps)."""
+    announce_after: int = 20
+    """A flagged member is said on the console (once per job, by the leader) only when it has been
+    flagged this many steps in a row ..."""
+    announce_after_s: float = 5.0
+    """... and for at least this many seconds, while no other member was flagged: members that are
+    slow in turn (an oversubscribed host) or for a moment are kept in the events and the report,
+    not announced."""
     evict_below: float = 0.5
     """With ``mode="evict"``: a member below this fraction of the median pace ..."""
     evict_after: int = 20
@@ -60,6 +67,10 @@ class BalanceSettings:
             value = getattr(self, name)
             if not 0 < value < 1:
                 raise ConfigError(f"straggler {name} must be between 0 and 1, got {value!r}")
+        if not isinstance(self.announce_after, int) or self.announce_after < 1:
+            raise ConfigError(f"straggler announce_after must be a positive number of steps, got {self.announce_after!r}")
+        if not self.announce_after_s >= 0:
+            raise ConfigError(f"straggler announce_after_s must be seconds (0 or more), got {self.announce_after_s!r}")
         if not isinstance(self.evict_after, int) or self.evict_after < 1:
             raise ConfigError(f"straggler evict_after must be a positive number of steps, got {self.evict_after!r}")
 
@@ -118,9 +129,7 @@ class Balancer:
         self._flagged_ever: set[int] = set()
         self.in_turn = False
         """True once a second member was flagged in this generation: members are slow in turn (an
-        oversubscribed host, not one slow member); flags are still kept, no longer announced."""
-        self.in_turn_now = False
-        """True if the last :meth:`observe` found that members are slow in turn."""
+        oversubscribed host, or more than one slow member)."""
         self._floor_for = [0] * members  # steps in a row below evict_below
         self.changed = False
         """True if the last :meth:`observe` changed the split."""
@@ -174,11 +183,9 @@ class Balancer:
                 self._fast_for[i] = self._fast_for[i] + 1 if r is None or r >= release else 0
                 if self._fast_for[i] >= window:
                     self._flagged.discard(i)
-        self.in_turn_now = False
         if self._newly:
             self._flagged_ever.update(self._newly)
-            if len(self._flagged_ever) >= 2 and not self.in_turn:
-                self.in_turn = self.in_turn_now = True
+            self.in_turn = len(self._flagged_ever) >= 2
         if self.settings.rebalances:
             self._rebalance()
 
@@ -210,10 +217,13 @@ class Balancer:
         """Members flagged by the last :meth:`observe` (not flagged before it)."""
         return list(self._newly)
 
-    def to_announce(self) -> list[int]:
-        """Of :meth:`newly_flagged`, those to say on the console: none once members are slow in
-        turn (:attr:`in_turn`); every flag is still an event, for the report."""
-        return [] if self.in_turn else list(self._newly)
+    def at_pace(self) -> list[int]:
+        """Members measured for a full window in this generation, not flagged, and at or above
+        ``flag_below`` of the median pace now: those known not to be slow."""
+        relative = self.relative_paces()
+        return [i for i, (seen, r) in enumerate(zip(self._seen, relative))
+                if len(seen) >= self.settings.window and i not in self._flagged and r is not None
+                and r >= self.settings.flag_below]
 
     def flagged_in_generation(self) -> list[int]:
         """Every member flagged at some step of this generation."""
@@ -229,3 +239,38 @@ class Balancer:
 def _predicted(sizes: tuple[int, ...] | list[int], seconds: list[float]) -> float:
     """The step's compute time with these shares: its slowest member's."""
     return max(size * s for size, s in zip(sizes, seconds))
+
+
+class SustainedSlowdowns:
+    """The leader's view of which members are slow for long enough to say so on the console, by
+    member name and across generations (a balancer starts afresh with each generation; a slow
+    member stays slow). Console only: the split and the flags do not depend on it.
+
+    A member counts as slow from the step it was first flagged until a balancer finds it unflagged
+    and at pace (:meth:`Balancer.at_pace`), in this generation or a later one. It is sustained once it has been slow for
+    ``announce_after`` steps and ``announce_after_s`` seconds since it, or any other member, was
+    last flagged: members that are slow in turn restart each other's count and are never
+    sustained. Each member is announced once."""
+
+    def __init__(self, settings: BalanceSettings) -> None:
+        self.settings = settings
+        self._since: dict[str, tuple[int, float]] = {}  # slow member -> (step, time) it was first flagged
+        self._last: dict[str, tuple[int, float]] = {}  # member -> the last (step, time) it was flagged
+        self._announced: set[str] = set()
+
+    def update(self, step: int, now: float, flagged: set[str], at_pace: set[str]) -> list[str]:
+        """After a step: the members flagged now and those known to be at pace; the members to
+        announce (each once per job)."""
+        for name in flagged:
+            self._since.setdefault(name, (step, now))
+            self._last[name] = (step, now)
+        for name in at_pace - flagged:
+            self._since.pop(name, None)
+        found = []
+        for name, since in self._since.items():
+            at, t = max([since] + [last for other, last in self._last.items() if other != name])
+            if (name not in self._announced and step - at >= self.settings.announce_after
+                    and now - t >= self.settings.announce_after_s):
+                found.append(name)
+        self._announced.update(found)
+        return sorted(found)

@@ -19,11 +19,12 @@ WORKERS = 4
 # Two kills and a 3-second hang, at different steps and on different workers. The heartbeat
 # timeout of the demo (2 s) is shorter than the hang, so the hung worker is declared dead, the
 # others go on without it, and it rejoins when it wakes up. The example's steps take a few
-# milliseconds, so worker 0 also sleeps 50 ms in each step (before its optimizer step), standing
-# in for real compute: the killed workers' replacements (a fresh `import torch` each) then have
-# time to rejoin before the end.
+# milliseconds, so worker 0 also sleeps 50 ms in each micro-batch, standing in for real compute:
+# the killed workers' replacements (a fresh `import torch` each) then have time to rejoin before
+# the end, and worker 0 is the run's one straggler (given fewer micro-batches, said once).
 FAULTS = "kill@step,rank=1,step=30;hang@step,rank=2,step=110,for=3;kill@step,rank=3,step=190"
-SCHEDULE = FAULTS + ";slow@commit,rank=0,sleep=0.05"
+SLOW = "slow@micro,rank=0,sleep=0.05"
+SCHEDULE = FAULTS + ";" + SLOW
 """The default demo's whole chaos schedule."""
 HEARTBEAT_TIMEOUT = 2.0
 MIN_STEPS = 40
@@ -74,10 +75,10 @@ def run(run_dir: str | None = None, steps: int = STEPS) -> int:
         script_args=("--steps", str(steps)),
         nproc_per_node=WORKERS,
         run_dir=run_dir,
-        chaos=faults(steps) + ";slow@commit,rank=0,sleep=0.05",
+        chaos=faults(steps) + ";" + SLOW,
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
     )
-    print(f"[unbroken] demo: {WORKERS} workers, {steps} steps, faults {faults(steps)!r}; worker 0 sleeps 50 ms a step (compute)", flush=True)
+    print(f"[unbroken] demo: {WORKERS} workers, {steps} steps, faults {faults(steps)!r}; worker 0 sleeps 50 ms a micro-batch (a straggler)", flush=True)
     code = Launcher(settings).run()
     print(flush=True)
     try:

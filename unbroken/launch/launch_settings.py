@@ -94,7 +94,7 @@ class LaunchSettings:
     warmup_timeout: float = 600.0
     """The same for a worker that has not committed its first step yet (compilation, loading)."""
     busy_timeout: float = 3600.0
-    """Longest work a worker marks busy (writing or reading a checkpoint) before it is declared
+    """Longest work a worker marks busy (a checkpoint, an on_leader call, warming memory for a heal, leaving) before it is declared
     dead and restarted, with a reason naming the work (a write stuck on a hung mount)."""
     quorum_timeout: float = 300.0
     """The job fails if live workers stay below ``min_members`` this long."""
@@ -104,7 +104,7 @@ class LaunchSettings:
     """Seconds workers get to exit after SIGTERM before SIGKILL; and, once the job finished, how
     long a worker that has not left ``job.steps()`` gets before SIGKILL."""
     tee: int | None = None
-    """Slot whose output the console shows (default: the lowest one alive); with ``group_size``
+    """Slot whose output the console shows (default: the job's leader when it runs on this node, else the lowest one alive); with ``group_size``
     1 a slot is a local rank, else a replica group (the console shows its process 0)."""
     progress_interval: float = 10.0
     """Seconds between plain progress lines when the output is not a terminal (a terminal gets a

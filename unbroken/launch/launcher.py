@@ -235,10 +235,9 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
             )
             return 1
         if finished and any(w.state is WorkerState.SUCCEEDED for w in self.workers):
-            from unbroken.observe.incidents import progress_lost
+            from unbroken.observe.incidents import finish_notes
 
-            losses = progress_lost(self.run_dir)
-            self._say("training finished" + "".join(f"; {lost}" for lost in losses))
+            self._say("training finished" + "".join(f"; {note}" for note in finish_notes(self.run_dir)))
             return 0
         failed = [w for w in self.workers if w.state is WorkerState.FAILED]
         if failed:

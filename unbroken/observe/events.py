@@ -27,7 +27,7 @@ KINDS = (
     "coordinator_start", "worker_start", "worker_exit", "restart", "join", "generation", "failure", "verdict",
     "heal", "step", "replicas", "finished", "job_failed", "fault", "checkpoint", "checkpoint_interval", "resume",
     "checkpoint_skipped", "refused", "leader", "leader_lost",
-    "quarantine", "quarantine_end", "shutdown", "coordinator_stall", "state_lost", "straggler", "rebalanced", "evicted",
+    "quarantine", "quarantine_end", "shutdown", "coordinator_stall", "state_lost", "straggler", "straggler_sustained", "rebalanced", "evicted",
     "donation", "catch_up", "catch_up_off", "stop_requested",
 )
 

@@ -143,18 +143,36 @@ def state_loss_text(event: dict[str, Any], checkpointing: bool | None = None) ->
     return text
 
 
-def progress_lost(run_dir: str) -> list[str]:
+def progress_lost(events: list[dict[str, Any]]) -> list[str]:
     """What the run's ``state_lost`` events say (:func:`state_loss_text`), each noting whether a
     checkpoint took the job back (a ``resume`` event after it) or none was configured."""
-    from unbroken.observe.run_log import load
-
-    try:
-        events = load([run_dir]).events
-    except (OSError, ValueError):
-        return []
     lines = []
     for i, event in enumerate(events):
         if event.get("kind") == "state_lost":
             resumed = any(e.get("kind") == "resume" for e in events[i + 1:])
             lines.append(state_loss_text(event, checkpointing=resumed))
     return lines
+
+
+def stragglers_text(events: list[dict[str, Any]]) -> str | None:
+    """One line on the run's stragglers: the members whose slowdown was sustained (announced on the
+    console), and how many flags members got in all. None when no slowdown was sustained: brief
+    flags (members slow in turn on a busy host) stay in the events and ``unbroken report``."""
+    sustained = sorted({str(e.get("member")) for e in events if e.get("kind") == "straggler_sustained"})
+    if not sustained:
+        return None
+    flags = [e for e in events if e.get("kind") == "straggler"]
+    members = len({e.get("member") for e in flags})
+    return f"straggler(s) {', '.join(sustained)} ({len(flags)} flag(s) of {members} member(s) in all: `unbroken report` lists them)"
+
+
+def finish_notes(run_dir: str) -> list[str]:
+    """What the launcher's last line adds to "training finished": progress lost, stragglers."""
+    from unbroken.observe.run_log import load
+
+    try:
+        events = load([run_dir]).events
+    except (OSError, ValueError):
+        return []
+    stragglers = stragglers_text(events)
+    return progress_lost(events) + ([stragglers] if stragglers else [])

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from unbroken.data.balance import Balancer, BalanceSettings
+from unbroken.data.balance import Balancer, BalanceSettings, SustainedSlowdowns
 from unbroken.data.data_plan import Split
 
 log = logging.getLogger("unbroken")
@@ -48,6 +48,7 @@ class Pacing:
         self._exchange_began = 0.0
         self._exchange = 0.0  # seconds this member spent in its last gradient exchange
         self._summary: dict[str, Any] | None = None
+        self._sustained = SustainedSlowdowns(settings)  # the leader's: who to say is a straggler
         self.evicted: str | None = None
         """Why this member must leave as a straggler (``--stragglers evict``), once decided."""
 
@@ -148,17 +149,16 @@ class Pacing:
                          "straggler": rank in balancer.flagged(),
                          "exchange_seconds": round(self._exchange, 6)}
         if leader:
-            announce = balancer.to_announce()
             for i in balancer.newly_flagged():
-                pace = relative[i]
-                if i in announce:
-                    log.warning("unbroken: %s is a straggler: %.0f%% of the median member's pace for %d steps (step %d)",
-                                names[i], 100 * pace, self.settings.window, step)
-                self._events.emit("straggler", step=step, member=names[i], pace=round(pace, 3), window=self.settings.window)
-            if balancer.in_turn_now:
-                log.warning("unbroken: members are slow in turn (%s flagged in this generation): the host is oversubscribed"
-                            " or noisy rather than one member slow; stragglers are no longer announced here (see"
-                            " `unbroken report`)", ", ".join(names[i] for i in balancer.flagged_in_generation()))
+                self._events.emit("straggler", step=step, member=names[i], pace=round(relative[i], 3), window=self.settings.window)
+            members = names[:balancer.members]
+            for name in self._sustained.update(step, time.monotonic(), {members[i] for i in balancer.flagged()},
+                                               {members[i] for i in balancer.at_pace()}):
+                i = members.index(name)
+                log.warning("unbroken: %s is a straggler: %.0f%% of the median member's pace, slow for %d steps or more (step %d)",
+                            name, 100 * relative[i], self.settings.announce_after, step)
+                self._events.emit("straggler_sustained", step=step, member=name, pace=round(relative[i], 3),
+                                  steps=self.settings.announce_after)
             if balancer.changed:
                 split = balancer.split
                 sizes = list(split.sizes) if split is not None else None

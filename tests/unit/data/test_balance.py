@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.data.balance import Balancer, BalanceSettings, equal_sizes, proportional_split
+from unbroken.data.balance import SustainedSlowdowns, Balancer, BalanceSettings, equal_sizes, proportional_split
 from unbroken.data.data_plan import DataPlan, Split
 from unbroken.errors import ConfigError
 
@@ -108,7 +108,8 @@ def test_unknown_measurements_are_left_out():
     assert b.relative_paces() == [None, 1.0] and b.split is None
 
 
-@pytest.mark.parametrize("field,value", [("mode", "fast"), ("window", 0), ("gain", 1.5), ("evict_after", 0)])
+@pytest.mark.parametrize("field,value", [("mode", "fast"), ("window", 0), ("gain", 1.5), ("evict_after", 0),
+                                         ("announce_after", 0), ("announce_after_s", -1.0)])
 def test_bad_settings_are_refused(field, value):
     with pytest.raises(ConfigError, match=field.split("_")[0] if field != "mode" else "stragglers"):
         BalanceSettings(**{field: value})
@@ -142,19 +143,60 @@ def test_members_that_take_turns_being_slow_are_never_flagged_and_a_borderline_o
     assert b.flagged() == []
 
 
-def test_members_flagged_in_turn_are_announced_once_then_called_an_oversubscribed_host():
-    b = Balancer(BalanceSettings(mode="report", window=3), total=48, unit=2, members=4)
-    announced = []
+def _watch(settings: BalanceSettings, paces_by_step, seconds_per_step: float = 0.1, names=("a", "b", "c", "d"),
+           new_generation_every: int | None = None) -> list[tuple[int, list[str]]]:
+    """Feed a generation's balancers (a new one every ``new_generation_every`` steps) and the
+    leader's SustainedSlowdowns; the (step, names) announced."""
+    watch = SustainedSlowdowns(settings)
+    said = []
+    b = None
+    for step, paces in enumerate(paces_by_step):
+        if b is None or (new_generation_every and step % new_generation_every == 0):
+            b = Balancer(settings, total=48, unit=2, members=len(names))
+        b.observe(paces)
+        found = watch.update(step, step * seconds_per_step, {names[i] for i in b.flagged()}, {names[i] for i in b.at_pace()})
+        if found:
+            said.append((step, found))
+    return said
 
-    def run(slow, steps):
-        for _ in range(steps):
-            b.observe([0.03 if i == slow else 0.01 for i in range(4)])
-            announced.extend(b.to_announce())
 
-    run(1, 10)
-    assert announced == [1] and not b.in_turn  # one slow member: a straggler, said once
-    run(None, 10)
-    run(2, 10)  # another member's turn: the host, not a member
-    assert b.in_turn and b.flagged_in_generation() == [1, 2] and announced == [1]
-    run(3, 10)
-    assert announced == [1] and 3 in b.flagged_in_generation()  # still flagged (events), not announced
+def test_only_a_sustained_slowdown_of_one_member_is_announced_once():
+    settings = BalanceSettings(mode="report", window=3, announce_after=10, announce_after_s=2.0)
+    slow_b = [[0.01, 0.03, 0.01, 0.01]] * 60
+    said = _watch(settings, slow_b)
+    flagged_at = next(n for n in range(60) if _watch_flags(settings, slow_b[:n + 1]))
+    assert said == [(flagged_at + 20, ["b"])]  # 10 steps would do, 2 s take 20; once
+    assert _watch(settings, slow_b[:flagged_at + 19]) == []
+
+
+def _watch_flags(settings, paces_by_step):
+    b = Balancer(settings, total=48, unit=2, members=4)
+    for paces in paces_by_step:
+        b.observe(paces)
+    return b.flagged()
+
+
+def test_a_slow_member_stays_slow_across_generations():
+    # a new generation every 8 steps (members killed and back): each balancer flags b only after a
+    # few steps, but the leader counts b's slowdown from its first flag
+    settings = BalanceSettings(mode="report", window=3, announce_after=10, announce_after_s=2.0)
+    said = _watch(settings, [[0.01, 0.03, 0.01, 0.01]] * 60, new_generation_every=8)
+    assert said and said[0][1] == ["b"] and said[0][0] < 30
+
+
+def test_members_slow_in_turn_are_never_announced_until_one_stays_slow():
+    settings = BalanceSettings(mode="report", window=3, announce_after=10, announce_after_s=0.0)
+    turns = [[0.03 if i == 1 + (step // 6) % 3 else 0.01 for i in range(4)] for step in range(60)]
+    assert _watch(settings, turns) == []
+    said = _watch(settings, turns + [[0.01, 0.01, 0.01, 0.03]] * 40)
+    assert [names for _, names in said] == [["d"]] and said[0][0] >= 60 + 10
+
+
+def test_an_oversubscribed_hosts_noise_is_never_announced():
+    # 4 members on 2 cores: each member in turn dips to 30-60 % for up to 8 steps of 10 ms
+    rng = random.Random(3)
+    steps = []
+    for step in range(3000):
+        dip = (step // 8) % 4 if rng.random() < 0.8 else None
+        steps.append([0.01 / rng.uniform(0.3, 0.6) if i == dip else 0.01 * rng.uniform(0.9, 1.1) for i in range(4)])
+    assert _watch(BalanceSettings(mode="report"), steps, seconds_per_step=0.01) == []
