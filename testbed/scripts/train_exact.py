@@ -274,6 +274,7 @@ for step in job.steps(total=args.steps):
         log_on_rank_zero(step, synced)
     if args.leader_says and step.committed and job.is_leader:
         print(f"LEADER step {step.index}", flush=True)
+        print(f"LEADER stderr {step.index}", file=sys.stderr, flush=True)
     if args.stop_at is not None and step.committed and (step.index == args.stop_at if args.stop_once else step.index >= args.stop_at) and job.is_leader:
         job.stop(f"early stop after step {step.index}")
         if args.die_after_stop and os.environ.get("UNBROKEN_MEMBER_ID"):

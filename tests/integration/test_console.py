@@ -2,6 +2,7 @@
 whichever worker leads the current generation, which is not the lowest local rank and changes
 when the leader dies; any worker's errors reach the console too."""
 
+import os
 import re
 
 import pytest
@@ -25,7 +26,18 @@ def test_the_console_shows_the_leaders_lines_whichever_worker_leads(tmp_path):
 
 
 def test_any_workers_error_reaches_the_console(tmp_path):
-    run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "2", "--tee", "0", harness.EXACT, "--steps", "3",
+    run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "2", "--local-ranks-filter", "0", harness.EXACT, "--steps", "3",
                            "--misuse", "plain", timeout=120)
     assert run.code == 1
     assert re.search(r"^\[w1( leader)?\] .*LoopMisuse", run.stdout, re.M), run.stdout[-3000:]  # w1 is not the one followed
+
+
+@pytest.mark.parametrize("tee,shown", [("3", {"LEADER step", "LEADER stderr"}), ("2", {"LEADER stderr"}), ("0", set())])
+def test_tee_picks_the_shown_workers_streams_as_torchrun_and_the_log_keeps_both(tmp_path, tee, shown):
+    run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "2", "--tee", tee, harness.EXACT, "--steps", "3",
+                           "--leader-says", timeout=120)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    seen = {kind for kind in ("LEADER step", "LEADER stderr") if re.search(rf"^\[w\d leader\] {kind} \d$", run.stdout, re.M)}
+    assert seen == shown, run.stdout[-3000:]
+    logs = "".join(open(os.path.join(run.run_dir, "workers", name)).read() for name in ("w0.log", "w1.log"))
+    assert "LEADER step 2" in logs and "LEADER stderr 2" in logs

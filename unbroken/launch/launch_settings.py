@@ -103,9 +103,14 @@ class LaunchSettings:
     shutdown_grace: float = 5.0
     """Seconds workers get to exit after SIGTERM before SIGKILL; and, once the job finished, how
     long a worker that has not left ``job.steps()`` gets before SIGKILL."""
-    tee: int | None = None
-    """Slot whose output the console shows (default: the job's leader when it runs on this node, else the lowest one alive); with ``group_size``
-    1 a slot is a local rank, else a replica group (the console shows its process 0)."""
+    console_ranks: tuple[int, ...] | None = None
+    """Slots whose output the console shows (torchrun's ``--local-ranks-filter``; default: the
+    job's leader when it runs on this node, else the lowest one alive); with ``group_size`` 1 a
+    slot is a local rank, else a replica group (the console shows its process 0)."""
+    tee: int = 3
+    """Which of the shown workers' streams reach the console, as torchrun's ``--tee``: 1 stdout, 2
+    stderr, 3 both, 0 neither (every worker's errors are shown whatever this says; both streams
+    always go to the worker's log)."""
     progress_interval: float = 10.0
     """Seconds between plain progress lines when the output is not a terminal (a terminal gets a
     live progress bar); 0 turns both off."""
@@ -166,9 +171,13 @@ class LaunchSettings:
         for name in ("restart_backoff", "max_restart_backoff", "shutdown_grace", "quorum_timeout", "start_grace", "progress_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
-        if self.tee is not None and not 0 <= self.tee < self.slots:
-            what = "local rank" if self.group_size == 1 else "slot (replica group)"
-            raise ConfigError(f"--tee must name a {what} in 0..{self.slots - 1}, got {self.tee}")
+        for rank in self.console_ranks or ():
+            if not 0 <= rank < self.slots:
+                what = "local rank" if self.group_size == 1 else "slot (replica group)"
+                raise ConfigError(f"--local-ranks-filter must name a {what} in 0..{self.slots - 1}, got {rank}")
+        if self.tee not in (0, 1, 2, 3):
+            raise ConfigError(f"--tee takes torchrun's streams: 0 none, 1 stdout, 2 stderr, 3 both; got {self.tee}"
+                              " (the worker the console shows is --local-ranks-filter)")
         if self.module:
             _check_module(self.script)
         elif not os.path.isfile(self.script):

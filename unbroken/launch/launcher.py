@@ -7,7 +7,7 @@ quarantined for ``quarantine_cooloff`` seconds, see :mod:`unbroken.launch.restar
 SIGTERM as a clean shutdown, and writes each worker's output to
 ``<run dir>/workers/w<local rank>.log``. The console shows one worker's output, prefixed with its
 name: the job's leader when it is one of this node's workers (``[wN leader]``), else the lowest
-local rank alive, or the one chosen with ``--tee``; and any worker's tracebacks and errors.
+local rank alive, or those chosen with ``--local-ranks-filter``; and any worker's tracebacks and errors.
 
 With ``--group-size`` K > 1 a slot is a replica group of K processes (one member of the job) and
 shares one fate: the first of them to fail ends all K, and the slot exits, is restarted or

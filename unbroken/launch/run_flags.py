@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 from unbroken.errors import ConfigError
 from unbroken.launch.torchrun_habits import (
     accept_torchrun_flags,
+    local_ranks,
     log_level,
     nproc_per_node,
     port_number,
     positive_int,
     refuse_torchrun_flags,
+    tee_streams,
 )
 
 if TYPE_CHECKING:
@@ -147,11 +149,15 @@ def _add_run_supervision(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> No
                    default=d["shutdown_grace"].default, dest="shutdown_grace",
                    help="seconds between SIGTERM and SIGKILL at shutdown (torchrun's --shutdown-timeout); once the job"
                    " finished, how long a worker that has not left the training loop gets before SIGKILL (default %(default)s)")
-    p.add_argument("--tee", "--local-ranks-filter", "--local_ranks_filter", type=int, default=None, dest="tee",
-                   help="show this slot's output on the console: a local rank, or with --group-size a replica group's"
-                   " process 0 (default: the job's leader when it runs on this node, else the lowest local rank alive);"
-                   " torchrun's --local-ranks-filter with one rank. Any worker's tracebacks and errors are shown too;"
-                   " every worker's whole output is in RUN_DIR/workers/w<slot>.log")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", type=local_ranks, default=None, dest="console_ranks",
+                   metavar="R[,R...]",
+                   help="show these slots' output on the console: local ranks, or with --group-size replica groups'"
+                   " process 0 (default: the job's leader when it runs on this node, else the lowest local rank alive)."
+                   " Any worker's tracebacks and errors are shown too; every worker's whole output is in"
+                   " RUN_DIR/workers/w<slot>.log")
+    p.add_argument("--tee", "-t", type=tee_streams, default=3, metavar="{0,1,2,3}",
+                   help="which streams of the shown workers reach the console, as torchrun's: 1 stdout, 2 stderr,"
+                   " 3 both, 0 none (both always go to the log) (default %(default)s)")
     _flag(p, "--progress-interval", type=float, default=d["progress_interval"].default,
           help="seconds between progress lines when the output is not a terminal; 0: no progress display (default %(default)s)")
     _flag(p, "--chaos", default=None, help="fault schedule, e.g. 'kill@step,rank=1,step=20' (see docs)")
@@ -239,6 +245,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
         collective_timeout=args.collective_timeout,
+        console_ranks=args.console_ranks,
         tee=args.tee,
         progress_interval=args.progress_interval,
         chaos=args.chaos,

@@ -27,8 +27,8 @@ HINTS: dict[str, str] = {
     "--master-addr": "use --rdzv-endpoint HOST:PORT on every node",
     "--master-port": "use --rdzv-endpoint HOST:PORT on every node",
     "--log-dir": "use --run-dir: each worker's output goes to RUN_DIR/workers/w<rank>.log",
-    "--redirects": "each worker's output already goes to its own log (RUN_DIR/workers/w<rank>.log); --tee picks"
-    " the worker the console shows",
+    "--redirects": "each worker's output already goes to its own log (RUN_DIR/workers/w<rank>.log); --local-ranks-filter"
+    " picks the workers the console shows, --tee their streams",
     "--no-python": "unbroken runs Python scripts (or modules with -m); wrap another program in a Python script",
     "--local-addr": "use --coordinator-advertise (with --etcd) or --node-name",
 }
@@ -92,6 +92,30 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port must be from 0 to 65535, got {value}")
     return value
+
+
+def local_ranks(text: str) -> tuple[int, ...]:
+    """An argparse type: torchrun's ``--local-ranks-filter``, local ranks separated by commas."""
+    import argparse
+
+    try:
+        ranks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"local ranks separated by commas (0 or 0,2), got {text!r}") from None
+    if any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"local ranks are 0 or more, got {text!r}")
+    return ranks
+
+
+def tee_streams(text: str) -> int:
+    """An argparse type: torchrun's ``--tee``, the streams shown on the console (0 to 3)."""
+    import argparse
+
+    if text not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(
+            f"0 (none), 1 (stdout), 2 (stderr) or 3 (both), as torchrun's; got {text!r} (per-rank maps are not taken;"
+            " --local-ranks-filter picks the workers the console shows)")
+    return int(text)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

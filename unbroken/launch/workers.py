@@ -193,8 +193,10 @@ class WorkerProcesses:
             self.events.emit("restart", member=worker.member_id, local_rank=worker.local_rank, restart=worker.restarts)
         pumps = []
         for j, (proc, f) in enumerate(zip(procs, logfiles)):
-            pumps.append(threading.Thread(target=self._pump, args=(worker, proc, f, j), daemon=True))
-            pumps[-1].start()
+            # stdout and stderr each have a pump, into the same log (appended line by line)
+            for stream, number, log in ((proc.stdout, 1, f), (proc.stderr, 2, open(log_path, "ab", buffering=0))):
+                pumps.append(threading.Thread(target=self._pump, args=(worker, stream, number, log, j), daemon=True))
+                pumps[-1].start()
         threading.Thread(target=self._reap, args=(worker, procs, pumps), daemon=True).start()
 
     def _start_zygote(self) -> None:
@@ -239,7 +241,7 @@ class WorkerProcesses:
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             **placement,
         )
 
@@ -287,18 +289,19 @@ class WorkerProcesses:
                 _signal_group(procs[0], signal.SIGKILL)
         return first or (0, 0)
 
-    def _pump(self, worker: Worker, proc: subprocess.Popen, logfile: IO[bytes], index: int = 0) -> None:
-        """Copy a worker's output to its log (and the console) until the pipe closes. The lines of
-        a replica group's process j > 0 go to the slot's log prefixed ``[pj] ``, never to the console."""
-        assert proc.stdout is not None
+    def _pump(self, worker: Worker, stream: IO[bytes], number: int, logfile: IO[bytes], index: int = 0) -> None:
+        """Copy one of a worker's streams (``number`` 1: stdout, 2: stderr) to its log, and to the
+        console if the worker is shown and ``--tee`` takes the stream, or if the line looks like an
+        error, until the pipe closes. The lines of a replica group's process j > 0 go to the slot's
+        log prefixed ``[pj] ``, never to the console."""
         prefix = f"[p{index}] ".encode() if index else b""
-        for line in iter(proc.stdout.readline, b""):
+        for line in iter(stream.readline, b""):
             logfile.write(prefix + line)
             if index:
                 continue
             text = line.decode(errors="replace")
             leader = self._leader_member()
-            if self._console_rank(leader) == worker.local_rank or looks_like_an_error(text):
+            if (number & self.settings.tee and worker.local_rank in self._console_ranks(leader)) or looks_like_an_error(text):
                 tag = " leader" if leader is not None and worker.member_id == leader else ""
                 shown = for_console(text, f"workers/w{worker.local_rank}.log")
                 with self._console_lock:
@@ -315,19 +318,19 @@ class WorkerProcesses:
         newest = max((x for x in (polled, marked) if x is not None), default=None, key=lambda x: x[0])
         return newest[1] if newest is not None else None
 
-    def _console_rank(self, leader: str | None) -> int | None:
-        """The worker whose output the console shows: ``--tee``'s, else the job's ``leader`` when
-        it is one of this node's workers (the leader changes with generations), else the lowest
-        local rank that runs."""
-        if self.settings.tee is not None:
-            return self.settings.tee
+    def _console_ranks(self, leader: str | None) -> tuple[int, ...]:
+        """The workers whose output the console shows: ``--local-ranks-filter``'s, else the job's
+        ``leader`` when it is one of this node's workers (the leader changes with generations),
+        else the lowest local rank that runs."""
+        if self.settings.console_ranks is not None:
+            return self.settings.console_ranks
         for w in self.workers:
             if leader is not None and w.member_id == leader and w.state is WorkerState.RUNNING:
-                return w.local_rank
+                return (w.local_rank,)
         for w in self.workers:
             if w.state is WorkerState.RUNNING and w.proc is not None and w.proc.poll() is None:
-                return w.local_rank
-        return None
+                return (w.local_rank,)
+        return ()
 
     def _log_tail(self, worker: Worker, lines: int = 3) -> str:
         path = os.path.join(self.run_dir, "workers", f"w{worker.local_rank}.log")

@@ -6,7 +6,7 @@ times over the node's cores. The launcher instead starts one zygote (``python -m
 unbroken.launch.zygote FD``) that imports ``torch``, ``torch.distributed`` and what a torch optimizer's
 constructor imports (``torch._dynamo``) once, and then forks
 each worker. The child takes the worker's environment, working directory, session or process
-group and output pipe (passed over a Unix socket), and runs the script as ``python SCRIPT ARGS``
+group and output pipes (passed over a Unix socket), and runs the script as ``python SCRIPT ARGS``
 or ``python -m MODULE ARGS`` would (:mod:`runpy`, as ``__main__``, ``sys.argv`` and ``sys.path[0]``
 set the same way). The zygote reaps its children and reports each exit status to the launcher,
 which sees a forked worker through :class:`ForkedProcess`, a ``subprocess.Popen`` look-alike.
@@ -73,12 +73,13 @@ class ZygoteError(RuntimeError):
 
 
 class ForkedProcess:
-    """A worker forked by the zygote, seen as a ``subprocess.Popen``: ``pid``, ``stdout`` (its
-    output pipe, stderr included), ``poll()``, ``wait()``, ``returncode`` (negative: the signal)."""
+    """A worker forked by the zygote, seen as a ``subprocess.Popen``: ``pid``, ``stdout`` and
+    ``stderr`` (its output pipes), ``poll()``, ``wait()``, ``returncode`` (negative: the signal)."""
 
-    def __init__(self, pid: int, stdout: Any) -> None:
+    def __init__(self, pid: int, stdout: Any, stderr: Any) -> None:
         self.pid = pid
         self.stdout = stdout
+        self.stderr = stderr
         self.returncode: int | None = None
         self._ended = threading.Event()
 
@@ -128,7 +129,7 @@ class Zygote:
     def start(self, argv: list[str], module: bool, env: dict[str, str], session: int | None = None) -> ForkedProcess:
         """Fork a worker running ``argv`` (script or module first) with ``env``; ``session`` None:
         a session of its own, 0: a new process group leading itself, else that process group."""
-        read_end, write_end = os.pipe()
+        (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe()
         try:
             request = {"argv": argv, "module": module, "env": env, "cwd": os.getcwd(), "group": session}
             with self._lock:
@@ -137,18 +138,20 @@ class Zygote:
                     self._ready = True
                 data = json.dumps(request).encode() + b"\n"
                 try:
-                    sent = socket.send_fds(self._sock, [data], [write_end])
+                    sent = socket.send_fds(self._sock, [data], [out_write, err_write])
                     self._sock.sendall(data[sent:])
                 except OSError as exc:
                     self.alive = False
                     raise ZygoteError(f"the zygote is gone: {exc}") from None
                 reply = self._reply("forking a worker")
         finally:
-            os.close(write_end)
+            os.close(out_write)
+            os.close(err_write)
         if "error" in reply:
-            os.close(read_end)
+            os.close(out_read)
+            os.close(err_read)
             raise ZygoteError(f"the zygote could not start the worker: {reply['error']}")
-        proc = ForkedProcess(int(reply["pid"]), os.fdopen(read_end, "rb"))
+        proc = ForkedProcess(int(reply["pid"]), os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb"))
         with self._replied:
             self._children[proc.pid] = proc
             if proc.pid in self._early:
@@ -237,7 +240,7 @@ def _serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up fd is written
     sock.sendall(b'{"ready": true}\n')
     buffered = b""
-    fds: list[int] = []  # a request's pipe arrives with its first bytes
+    fds: list[int] = []  # a request's two pipes (stdout, stderr) arrive with its first bytes
     while True:
         ready, _, _ = select.select([sock, wake_read], [], [])
         if wake_read in ready:
@@ -245,14 +248,15 @@ def _serve(sock: socket.socket) -> None:
         _report_exits(sock)
         if sock not in ready:
             continue
-        message, received, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+        message, received, _, _ = socket.recv_fds(sock, 1 << 20, 8)
         if not message:
             return  # the launcher is gone: its workers die with it (their parent-death signal is ours)
         fds.extend(received)
         buffered += message
         *lines, buffered = buffered.split(b"\n")
         for line in lines:
-            _fork(sock, json.loads(line), fds.pop(0), (wake_read, wake_write))
+            out_fd, err_fd = fds.pop(0), fds.pop(0)
+            _fork(sock, json.loads(line), (out_fd, err_fd), (wake_read, wake_write))
 
 
 def _report_exits(sock: socket.socket) -> None:
@@ -266,18 +270,20 @@ def _report_exits(sock: socket.socket) -> None:
         sock.sendall(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 
 
-def _fork(sock: socket.socket, request: dict[str, Any], out_fd: int, wake: tuple[int, int]) -> None:
+def _fork(sock: socket.socket, request: dict[str, Any], outputs: tuple[int, int], wake: tuple[int, int]) -> None:
     ready_read, ready_write = os.pipe()
     try:
         pid = os.fork()
     except OSError as exc:
-        os.close(out_fd)
+        for fd in outputs:
+            os.close(fd)
         sock.sendall(json.dumps({"error": f"fork: {exc}"}).encode() + b"\n")
         return
     if pid == 0:
         os.close(ready_read)
-        _become_child(sock, request, out_fd, wake, ready_write)
-    os.close(out_fd)
+        _become_child(sock, request, outputs, wake, ready_write)
+    for fd in outputs:
+        os.close(fd)
     os.close(ready_write)
     group = request.get("group")
     if group is not None:
@@ -298,7 +304,7 @@ must not be cut short by the zygote's death, which kills every worker at once. T
 when the launcher closes its socket, or dies with it."""
 
 
-def _become_child(sock: socket.socket, request: dict[str, Any], out_fd: int, wake: tuple[int, int], ready: int) -> None:
+def _become_child(sock: socket.socket, request: dict[str, Any], outputs: tuple[int, int], wake: tuple[int, int], ready: int) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's dispositions
@@ -318,9 +324,10 @@ def _become_child(sock: socket.socket, request: dict[str, Any], out_fd: int, wak
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    os.close(out_fd)
+    os.dup2(outputs[0], 1)
+    os.dup2(outputs[1], 2)
+    for fd in outputs:
+        os.close(fd)
     os.chdir(request.get("cwd") or os.getcwd())
     env = dict(request["env"])
     # a forked worker's parent is the zygote: it dies with it (and the zygote with the launcher)

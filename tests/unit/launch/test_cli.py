@@ -48,7 +48,8 @@ RUN_FLAGS = [
     ["--restart-backoff", "--restart_backoff"],
     ["--max-restart-backoff", "--max_restart_backoff"],
     ["--shutdown-grace", "--shutdown_grace", "--shutdown-timeout", "--shutdown_timeout"],
-    ["--tee", "--local-ranks-filter", "--local_ranks_filter"],
+    ["--local-ranks-filter", "--local_ranks_filter"],
+    ["--tee", "-t"],
     ["--progress-interval", "--progress_interval"],
     ["--chaos"],
     ["--record-samples", "--record_samples"],
@@ -108,7 +109,7 @@ def test_run_defaults_come_from_the_launch_settings():
         assert getattr(args, name) == fields[name].default, name
     assert args.nproc_per_node == "1" and args.group_size == "1"
     assert args.coordinator_host is None  # 127.0.0.1 alone, 0.0.0.0 with --etcd or --ha (launch_settings)
-    assert (args.run_dir, args.coordinator, args.node_name, args.tee, args.chaos, args.record_samples) == (None, None, None, None, None, False)
+    assert (args.run_dir, args.coordinator, args.node_name, args.console_ranks, args.tee, args.chaos, args.record_samples) == (None, None, None, None, 3, None, False)
     assert (args.script, args.script_args) == ("train.py", [])
 
 
@@ -125,12 +126,12 @@ def test_torchrun_style_underscore_aliases_parse_like_the_dashed_flags():
 
 
 def test_everything_after_the_script_belongs_to_the_script():
-    args = build_parser().parse_args(["run", "--tee", "1", "train.py", "--lr", "3e-4", "--nproc-per-node", "9"])
+    args = build_parser().parse_args(["run", "--local-ranks-filter", "1", "train.py", "--lr", "3e-4", "--nproc-per-node", "9"])
     assert args.script == "train.py"
     assert args.script_args == ["--lr", "3e-4", "--nproc-per-node", "9"]
     assert args.nproc_per_node == "1"
     assert args.coordinator_host is None  # 127.0.0.1 alone, 0.0.0.0 with --etcd or --ha (launch_settings)
-    assert args.tee == 1
+    assert args.console_ranks == (1,)
 
 
 def test_a_command_is_required(capsys):
@@ -167,9 +168,9 @@ def test_a_missing_training_script_exits_2_naming_it(capsys, tmp_path):
         (["--shutdown-grace", "-1"], "--shutdown-grace must not be negative"),
         (["--heartbeat-interval", "6"], "need 0 < --heartbeat-interval < --heartbeat-timeout"),
         (["--heartbeat-timeout", "40"], "need --heartbeat-timeout < --collective-timeout"),
-        (["--nproc-per-node", "2", "--tee", "2"], "--tee must name a local rank in 0..1"),
+        (["--nproc-per-node", "2", "--local-ranks-filter", "0,2"], "--local-ranks-filter must name a local rank in 0..1"),
         (["--nproc-per-node", "3", "--group-size", "2"], "--nproc-per-node 3 is not a multiple of --group-size 2: "),
-        (["--nproc-per-node", "8", "--group-size", "4", "--tee", "2"], "--tee must name a slot (replica group) in 0..1, got 2"),
+        (["--nproc-per-node", "8", "--group-size", "4", "--local-ranks-filter", "2"], "--local-ranks-filter must name a slot (replica group) in 0..1, got 2"),
         (["--chaos", "kill@nowhere"], "bad fault 'kill@nowhere'"),
     ],
 )
@@ -192,12 +193,12 @@ def test_a_non_numeric_timeout_is_an_argparse_error(capsys):
 def test_valid_run_flags_become_the_launch_settings(launched, script):
     seen = launched
     code = main(
-        ["run", "--nproc_per_node", "3", "--max-restarts", "1", "--node-name", "n7", "--tee", "2",
+        ["run", "--nproc_per_node", "3", "--max-restarts", "1", "--node-name", "n7", "--local-ranks-filter", "2", "-t", "1",
          "--chaos", "kill@step,rank=1", "--record-samples", script, "--epochs", "2"]
     )
     assert code == 0
     s = seen["settings"]
-    assert (s.nproc_per_node, s.max_restarts, s.node, s.tee, s.chaos, s.record_samples) == (3, 1, "n7", 2, "kill@step,rank=1", True)
+    assert (s.nproc_per_node, s.max_restarts, s.node, s.console_ranks, s.tee, s.chaos, s.record_samples) == (3, 1, "n7", (2,), 1, "kill@step,rank=1", True)
     assert (s.script, s.script_args) == (script, ("--epochs", "2"))
 
 
@@ -257,9 +258,9 @@ def test_a_bad_group_size_exits_2_with_a_clear_message(capsys, value, shown):
 
 
 def test_group_size_becomes_the_launch_settings_and_the_default_is_one(launched, script):
-    assert main(["run", "--nproc-per-node", "8", "--group_size", "4", "--tee", "1", script]) == 0
+    assert main(["run", "--nproc-per-node", "8", "--group_size", "4", "--local-ranks-filter", "1", script]) == 0
     s = launched["settings"]
-    assert (s.nproc_per_node, s.group_size, s.slots, s.tee) == (8, 4, 2, 1)
+    assert (s.nproc_per_node, s.group_size, s.slots, s.console_ranks) == (8, 4, 2, (1,))
     assert main(["run", "--nproc-per-node", "3", script]) == 0
     assert (launched["settings"].group_size, launched["settings"].slots) == (1, 3)
 
@@ -366,7 +367,7 @@ def test_torchruns_single_node_line_runs_as_it_is(script):
     args = build_parser().parse_args(["run", "--standalone", "--run-path", "--nproc-per-node", "2", "--shutdown-timeout", "5",
                                       "--local-ranks-filter", "1", script])
     settings = launch_settings(args, {})
-    assert (settings.nproc_per_node, settings.shutdown_grace, settings.tee) == (2, 5.0, 1)
+    assert (settings.nproc_per_node, settings.shutdown_grace, settings.console_ranks) == (2, 5.0, (1,))
 
 
 def test_after_the_script_a_torchrun_flag_is_the_scripts():

@@ -24,7 +24,7 @@ def test_defaults_are_valid_and_documented_values(script):
     assert (s.nproc_per_node, s.max_restarts, s.restart_backoff, s.max_restart_backoff) == (1, 5, 0.1, 10.0)
     assert (s.restart_window, s.quarantine_cooloff) == (300.0, 600.0)
     assert (s.heartbeat_interval, s.heartbeat_timeout, s.collective_timeout, s.shutdown_grace) == (0.5, 3.0, 30.0, 5.0)
-    assert (s.coordinator, s.coordinator_host, s.coordinator_port, s.run_dir, s.tee, s.chaos) == (None, "127.0.0.1", 0, None, None, None)
+    assert (s.coordinator, s.coordinator_host, s.coordinator_port, s.run_dir, s.console_ranks, s.tee, s.chaos) == (None, "127.0.0.1", 0, None, None, 3, None)
     assert s.script_args == () and s.record_samples is False
     assert (s.group_size, s.slots) == (1, 1)
     assert isinstance(s.node, str) and s.node
@@ -93,14 +93,21 @@ def test_a_progress_timeout_not_below_the_collective_timeout_is_refused(script):
         LaunchSettings(script=script, progress_timeout=30.0, collective_timeout=30.0)
 
 
-@pytest.mark.parametrize("tee", [-1, 2, 5])
-def test_tee_must_name_a_local_rank(script, tee):
-    with pytest.raises(ConfigError, match=r"--tee must name a local rank in 0\.\.1, got " + str(tee)):
+@pytest.mark.parametrize("rank", [-1, 2, 5])
+def test_local_ranks_filter_must_name_local_ranks(script, rank):
+    with pytest.raises(ConfigError, match=r"--local-ranks-filter must name a local rank in 0\.\.1, got " + str(rank)):
+        LaunchSettings(script=script, nproc_per_node=2, console_ranks=(0, rank))
+
+
+def test_local_ranks_filter_may_name_any_local_ranks(script):
+    assert LaunchSettings(script=script, nproc_per_node=3, console_ranks=(0, 2)).console_ranks == (0, 2)
+
+
+@pytest.mark.parametrize("tee", [-1, 4])
+def test_tee_takes_torchruns_streams(script, tee):
+    assert [LaunchSettings(script=script, nproc_per_node=2, tee=t).tee for t in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match=r"--tee takes torchrun's streams.*--local-ranks-filter"):
         LaunchSettings(script=script, nproc_per_node=2, tee=tee)
-
-
-def test_tee_may_name_any_local_rank(script):
-    assert [LaunchSettings(script=script, nproc_per_node=3, tee=t).tee for t in range(3)] == [0, 1, 2]
 
 
 def test_a_missing_script_is_refused_naming_it(tmp_path):
@@ -144,10 +151,10 @@ def test_a_node_runs_one_slot_per_replica_group(script, nproc, k, slots):
     assert (s.nproc_per_node, s.group_size, s.slots) == (nproc, k, slots)
 
 
-def test_with_groups_tee_names_a_slot_not_a_process(script):
-    assert LaunchSettings(script=script, nproc_per_node=4, group_size=2, tee=1).tee == 1
-    with pytest.raises(ConfigError, match=r"--tee must name a slot \(replica group\) in 0\.\.1, got 2"):
-        LaunchSettings(script=script, nproc_per_node=4, group_size=2, tee=2)
+def test_with_groups_local_ranks_filter_names_a_slot_not_a_process(script):
+    assert LaunchSettings(script=script, nproc_per_node=4, group_size=2, console_ranks=(1,)).console_ranks == (1,)
+    with pytest.raises(ConfigError, match=r"--local-ranks-filter must name a slot \(replica group\) in 0\.\.1, got 2"):
+        LaunchSettings(script=script, nproc_per_node=4, group_size=2, console_ranks=(2,))
 
 
 def test_the_launcher_has_one_worker_slot_per_group(script, tmp_path):

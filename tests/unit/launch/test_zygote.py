@@ -46,6 +46,10 @@ def _output(proc) -> list[str]:
     return proc.stdout.read().decode().splitlines()
 
 
+def _errors(proc) -> list[str]:
+    return proc.stderr.read().decode().splitlines()
+
+
 def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_comes_back(zygote, tmp_path):
     import json
 
@@ -68,7 +72,7 @@ def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_com
     assert seen["frozen"] > 100_000
     with open(f"/proc/{zygote.proc.pid}/comm") as f:  # the zygote is told apart by its name
         assert f.read().strip() == "unbroken-zygote"
-    assert lines[1] == "to stderr"  # stderr goes with stdout
+    assert _errors(proc) == ["to stderr"]  # stderr has a pipe of its own, as under Popen
     assert seen["comm"] == os.path.basename(sys.executable)[:15]  # its interpreter's name, not the zygote's
     assert seen["cmdline"].split() == [sys.executable, str(script), "3"]  # ps and pgrep -f find it by its script
     assert seen["in_flight"] is False  # the script runs outside the zygote's exception handler
@@ -101,7 +105,7 @@ def test_a_worker_killed_by_a_signal_reports_it_as_popen_does_and_a_traceback_ex
     failing.write_text("raise ValueError('a bad setting')\n")
     proc = zygote.start([str(failing)], False, dict(zygote.env))
     assert proc.wait(timeout=30) == 1
-    lines = _output(proc)
+    lines = _errors(proc)
     # the traceback python failing.py prints: the script's frames only, nothing chained
     assert lines == ["Traceback (most recent call last):", f'  File "{failing}", line 1, in <module>',
                      "    raise ValueError('a bad setting')", "ValueError: a bad setting"], lines
@@ -110,7 +114,7 @@ def test_a_worker_killed_by_a_signal_reports_it_as_popen_does_and_a_traceback_ex
     env = {k: v for k, v in zygote.env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = zygote.start([str(ddp)], False, env)
     assert proc.wait(timeout=30) == 1
-    last = _output(proc)[-1]
+    last = _errors(proc)[-1]
     assert "Remove dist.init_process_group(...), DDP(model)" in last and "RANK expected" not in last, last
 
 
@@ -183,4 +187,4 @@ def test_ctrl_c_or_sigterm_to_the_launchers_process_group_spares_the_zygote_not_
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
     os.kill(interrupted.pid, signal.SIGINT)  # as in a fresh interpreter: KeyboardInterrupt, then death by SIGINT
-    assert interrupted.wait(timeout=30) == -signal.SIGINT and b"KeyboardInterrupt" in interrupted.stdout.read()
+    assert interrupted.wait(timeout=30) == -signal.SIGINT and b"KeyboardInterrupt" in interrupted.stderr.read()
