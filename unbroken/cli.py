@@ -195,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = args.log_level.upper()
+    if args.command in ("run", "demo") and level == "WARNING":  # the launcher's console: one voice
+        logging.basicConfig(level=level, format="[unbroken] %(message)s")
+    else:  # a service's log, or a user who asked for detail: when and where from
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "coordinator" and args.advertise_host is None and args.host == "0.0.0.0":
         import socket
 

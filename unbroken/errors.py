@@ -27,6 +27,16 @@ class GenerationFailed(UnbrokenError):
     """A collective of the current generation failed or was abandoned; the step is redone."""
 
 
+class JobCannotGoOn(UnbrokenError):
+    """The coordinator says the job failed (too few members for longer than the quorum timeout,
+    or every member gone): an outcome, not a bug, so a worker ends with this one line on stderr
+    and exit status 1, without a traceback."""
+
+
+JOB_CANNOT_GO_ON = "unbroken: the job cannot go on:"
+"""How a worker's line for :class:`JobCannotGoOn` begins (a launcher does not repeat it)."""
+
+
 class ReplicaDivergence(UnbrokenError):
     """Members hold different parameters after a commit: an invariant was broken."""
 

@@ -66,3 +66,22 @@ def test_each_worker_writes_its_own_log_and_the_console_shows_one_worker(tmp_pat
     shown = [line for line in run.stdout.splitlines() if " loss " in line]
     assert [line.split("] ")[1].split(" loss")[0] for line in shown] == [f"step {i}" for i in range(5)], shown
     assert len({line.split("] ")[0] for line in shown}) == 1 and re.match(r"\[w[01] leader\] ", shown[0]), shown
+
+
+def test_a_node_that_waits_for_a_quorum_says_who_is_missing_and_an_unmet_quorum_is_one_line(tmp_path):
+    """``--nnodes 2`` on one host: no other node comes. The console says every few seconds what the
+    job waits for and where the others must point; when the quorum timeout ends it, the reason is
+    one line (no worker traceback, no coordinator log line saying it again), exit 1."""
+    run = harness.unbroken(str(tmp_path / "run"), "--nnodes", "2", "--nproc-per-node", "1", "--start-grace", "1",
+                           "--quorum-timeout", "8", harness.EXACT, "--steps", "5", timeout=120)
+    out = run.stdout + run.stderr
+    assert run.code == 1, out[-3000:]
+    waits = re.findall(r"^\[unbroken\] waiting for members: the job needs 2, 1 joined \(node \w+\); start the other nodes"
+                       r" with --rdzv-endpoint 127\.0\.0\.1:\d+ \(the job fails if still short in (\d+) s", run.stdout, re.M)
+    assert len(waits) >= 1 and [int(w) for w in waits] == sorted((int(w) for w in waits), reverse=True), run.stdout
+    assert "Traceback" not in out and "unbroken.coordinator" not in out, out[-3000:]
+    assert len(re.findall(r"the job cannot go on|job failed", out)) == 1, out[-3000:]
+    assert "unbroken: the job cannot go on: only 1 live member(s), below the minimum of 2" in run.stderr
+    with open(os.path.join(run.run_dir, "workers", "w0.log")) as f:
+        assert "unbroken: the job cannot go on:" in f.read()  # the worker's own line, in its log
+    assert harness.stop([], [run.run_dir]) == [], "no worker left behind"

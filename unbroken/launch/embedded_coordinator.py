@@ -10,11 +10,18 @@ scrapers.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from typing import TYPE_CHECKING, Any, Callable
 
 from unbroken.observe.events import EventLog
+
+
+def _said_by_the_launcher(record: logging.LogRecord) -> bool:
+    """The embedded coordinator's verdict that the job failed is the launcher's last line: not
+    said twice on one console."""
+    return not str(record.msg).startswith("job failed:")
 
 if TYPE_CHECKING:
     from unbroken.launch.launch_settings import LaunchSettings
@@ -40,6 +47,8 @@ class EmbeddedCoordinator:
             return
         from unbroken.coordinator.server import Coordinator, CoordinatorSettings
         from unbroken.coordinator.membership import MembershipSettings
+
+        logging.getLogger("unbroken.coordinator.server").addFilter(_said_by_the_launcher)
 
         leadership = None
         if self.settings.etcd:

@@ -55,6 +55,7 @@ from unbroken.launch.embedded_coordinator import EmbeddedCoordinator
 from unbroken.observe import refusal_mark
 from unbroken.errors import EXIT_MISMATCH, RESTARTABLE_EXITS, ConfigError, UnbrokenError
 from unbroken.launch.launch_settings import LaunchSettings
+from unbroken.launch.quorum_wait import QuorumWait
 from unbroken.launch.restarts import SlotBudget
 from unbroken.observe.events import EventLog
 from unbroken.launch.workers import Worker, WorkerProcesses, WorkerState, _describe_exit, _signal_group
@@ -113,6 +114,7 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
         self._after_loop_failures: list[Worker] = []
         self._finished_at: float | None = None
         self._next_status_check = 0.0
+        self._quorum_wait: QuorumWait | None = None  # once the coordinator is known
         self._progress: Any = None
         self.reason = ""
 
@@ -132,6 +134,7 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
                     self.reason = f"stopped by {signal.Signals(self._stop_signal).name}"
                     return 130 if self._stop_signal == signal.SIGINT else 143
             self.client = CoordinatorClient(self.address, timeout=30.0, token=self.token)
+            self._quorum_wait = QuorumWait(self.settings, str(self.address), time.monotonic())
             self._say(f"run directory {self.run_dir}, coordinator {self.address}, {len(self.workers)} worker(s)")
             from unbroken.observe.console import ProgressView
 
@@ -205,6 +208,9 @@ class Launcher(WorkerProcesses, EmbeddedCoordinator):
             return None
         members = status.get("generation_members") or []
         self._leader = (int(status.get("generation") or 0), members[0]) if members else None
+        note = self._quorum_wait.note(status, now) if self._quorum_wait is not None else None
+        if note:
+            self._say(note)
         if self._finished_at is None:
             if not status.get("finished"):
                 if status.get("failed") and not any(w.state is WorkerState.RUNNING for w in self.workers):

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
+from unbroken.errors import JOB_CANNOT_GO_ON
 from unbroken.observe import leader_mark, refusal_mark
 from unbroken.observe.console_lines import for_console, looks_like_an_error
 from unbroken.launch.restarts import SlotBudget
@@ -301,6 +302,8 @@ class WorkerProcesses:
                 continue
             text = line.decode(errors="replace")
             leader = self._leader_member()
+            if text.startswith(JOB_CANNOT_GO_ON):
+                continue  # the launcher's last line says it
             if (number & self.settings.tee and worker.local_rank in self._console_ranks(leader)) or looks_like_an_error(text):
                 tag = " leader" if leader is not None and worker.member_id == leader else ""
                 shown = for_console(text, f"workers/w{worker.local_rank}.log")

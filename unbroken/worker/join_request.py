@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from unbroken.errors import EXIT_MISMATCH, UnbrokenError
+from unbroken.errors import EXIT_MISMATCH, JobCannotGoOn
 
 
 def preflight(settings: Any, reducer: Any, total: int | None, plan: Any, replica: Any, model: Any) -> dict[str, Any]:
@@ -134,9 +134,9 @@ def formed_from_view(
 
 def refusal(reply: dict[str, Any], member_id: str) -> tuple[str, int] | None:
     """What to say and the exit status to end with, if the coordinator's ``reply`` will not take
-    this member; None if it may go on. A job that cannot go on at all raises :class:`UnbrokenError`."""
+    this member; None if it may go on. A job that cannot go on at all raises :class:`JobCannotGoOn`."""
     if reply["status"] == "failed":
-        raise UnbrokenError(f"the job cannot go on: {reply.get('reason')}")
+        raise JobCannotGoOn(f"the job cannot go on: {reply.get('reason')}")
     if reply["status"] == "mismatch":
         return (
             f"unbroken: error: {member_id} does not match the job, so the coordinator refused it:"

@@ -16,6 +16,7 @@ import sys
 from typing import Any, Protocol
 
 from unbroken.parent_death import die_with
+from unbroken.errors import JobCannotGoOn
 from unbroken.worker import blocking_waits
 
 log = logging.getLogger("unbroken.worker.runtime")  # moved out of the runtime; its messages keep their logger
@@ -71,6 +72,9 @@ class ExitGuard:
 
         def hook(*args: Any) -> None:
             cls.crashed = True
+            if isinstance(args[1], JobCannotGoOn):  # an outcome the coordinator decided: one line
+                print(f"unbroken: {args[1]}", file=sys.stderr, flush=True)
+                return
             previous(*args)
 
         sys.excepthook = hook
