@@ -2,6 +2,7 @@
 complete checkpoint, with the same or another member count; a kill during a save never leaves a
 visible partial checkpoint."""
 
+import json
 import os
 import signal
 import subprocess
@@ -99,3 +100,30 @@ def test_auto_counts_a_loss_of_every_live_copy_but_not_a_failure_peers_healed(tm
     assert "1 in " in run.stdout, run.stdout[-2000:]  # the interval's line names the loss
     harness.check_exactly_once([first, second], STEPS, GLOBAL)
     harness.check_same_model(f"{second}/final", reference["single"], 3)
+
+
+def test_generation_numbers_never_repeat_across_a_full_restart_from_a_checkpoint(tmp_path):
+    """The first launch forms generations after its newest checkpoint (a worker killed and back),
+    then dies whole. The second numbers its generations above every one the first formed, not only
+    above the one that wrote the checkpoint: two launches' events, records and metrics never share
+    a generation number."""
+    ckpt = str(tmp_path / "ckpt")
+    first = str(tmp_path / "first")
+
+    def after_the_newest_checkpoint(run) -> bool:
+        numbers = [e["generation"] for e in run.events("generation")]
+        steps = CheckpointStore(ckpt).steps()
+        if len(numbers) < 3 or not steps:
+            return False
+        with open(os.path.join(ckpt, CheckpointStore.name(steps[0]), "manifest.json")) as f:
+            return json.load(f)["generation"] < max(numbers)  # the newest checkpoint's writer is not the newest generation
+
+    start_and_kill_all(first, ckpt, after_the_newest_checkpoint, "--chaos", "kill@step,rank=1,step=11")
+    seen_first = {e["generation"] for e in harness.Run(0, "", "", first).events("generation")}
+    second = str(tmp_path / "second")
+    run = harness.unbroken(second, "--nproc-per-node", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
+                           harness.EXACT, "--steps", str(STEPS))
+    assert run.code == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    seen_second = [e["generation"] for e in run.events("generation")]
+    assert seen_second and min(seen_second) > max(seen_first), (sorted(seen_first), seen_second)
+    assert harness.stop([], [second]) == []

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
+GENERATION_FILE = "generation.json"
+"""Beside the checkpoints: the newest generation a leader noted (:meth:`CheckpointStore.note_generation`)."""
 
 
 class CheckpointCorrupt(UnbrokenError):
@@ -156,15 +158,33 @@ class CheckpointStore:
         return [step for step, _ in sorted(found.items(), key=lambda item: (item[1], item[0]), reverse=True)]
 
     def newest_generation(self) -> int:
-        """The generation that wrote the newest checkpoint (0 if none): a new coordinator's
-        generations are numbered above it, so that lineages never reuse a number."""
+        """The newest generation this directory knows of (0 if none): the one that wrote the newest
+        checkpoint, or a later one a leader noted (:meth:`note_generation`). A new coordinator's
+        generations are numbered above it, so that lineages, events and metrics never reuse a
+        number, even after every worker died and the job resumed from here."""
+        noted = 0
+        try:
+            with self.fs.open(self._path(GENERATION_FILE), "rb") as f:
+                noted = int(json.loads(f.read()).get("generation", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
         for step in self.steps():
             try:
                 with self.fs.open(self._path(self.name(step), MANIFEST), "rb") as f:
-                    return int(json.loads(f.read()).get("generation", 0))
+                    return max(noted, int(json.loads(f.read()).get("generation", 0)))
             except (OSError, ValueError, TypeError, AttributeError):
                 continue
-        return 0
+        return noted
+
+    def note_generation(self, number: int) -> None:
+        """Record that generation ``number`` formed (by its leader, once per generation), so that a
+        job resumed from this directory numbers its generations above it, not only above the one
+        that wrote the newest checkpoint. Written whole, then renamed into place."""
+        self.fs.makedirs(self.root, exist_ok=True)
+        tmp = self._path(f".{GENERATION_FILE}.tmp-{uuid.uuid4().hex[:8]}")
+        with self.fs.open(tmp, "wb") as f:
+            f.write(json.dumps({"generation": number, "time": time.time()}).encode())
+        self.fs.mv(tmp, self._path(GENERATION_FILE))
 
     def _written_at(self, base: str) -> float:
         try:

@@ -13,6 +13,7 @@ wait on a store flag.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,21 @@ class Checkpointing:
         else:
             job._generation_floor = max(job._generation_floor, self.store.newest_generation())
 
+    def generation_formed(self, number: int) -> None:
+        """This member leads generation ``number``: note it beside the checkpoints, off the training
+        thread (a full restart from them numbers its generations above it). Best effort: a note
+        that fails leaves the checkpoints' own numbers, never the step."""
+        if self.store is None:
+            return
+
+        def note() -> None:
+            try:
+                self.store.note_generation(number)
+            except Exception as exc:  # noqa: BLE001 - a full storage, a lost mount: the checkpoints say why
+                log.debug("could not note generation %d in %s: %s", number, self.store.url, exc)
+
+        threading.Thread(target=note, name="unbroken-generation-note", daemon=True).start()
+
     def resume(self) -> None:
         """Load the newest checkpoint that verifies, if there is one."""
         job = self.job
@@ -78,7 +94,7 @@ class Checkpointing:
         job.fresh = False
         # New generations are numbered above the one that wrote it (it may come from an earlier
         # coordinator), so that lineages never reuse a number.
-        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
+        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)), self.store.newest_generation())
         print(f"unbroken: resumed from step {job.next_step} of {location}", flush=True)
         job._events.emit("resume", step=job.next_step, location=location)
 
@@ -195,7 +211,7 @@ class Checkpointing:
         self._resumed(manifest)
         job._digest = state_digests.lineage_digest(job.lineage)
         job.fresh = False
-        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)))
+        job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)), self.store.newest_generation())
         if job._joiner.heartbeat is not None:
             job._joiner.heartbeat.step = job.next_step
         print(f"unbroken: resumed from step {job.next_step} of the sharded checkpoint in {job.checkpoint.directory}", flush=True)
@@ -239,7 +255,9 @@ class Checkpointing:
 
 
 def _has_entries(store: Any) -> bool:
+    from unbroken.storage.checkpoint import GENERATION_FILE
+
     try:
-        return bool(store.fs.ls(store.root, detail=False))
+        return any(e.rstrip("/").rsplit("/", 1)[-1] != GENERATION_FILE for e in store.fs.ls(store.root, detail=False))
     except FileNotFoundError:
         return False

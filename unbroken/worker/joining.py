@@ -316,6 +316,8 @@ class Joiner:
         job.member_index, job.member_count = group.rank, group.size
         if job._group is None or job._group.leader:  # before the first step: the console shows the leader's lines
             leader_mark.write(job.run_dir, job.member_id, number, group.rank)
+            if group.rank == 0:
+                job._checkpointing.generation_formed(number)
         if job._default_group is not None:
             job._default_group.enter(group, reply["store_host"], int(reply["store_port"]))
         log.info("%s: generation %d, member %d of %d, at step %d", job.member_id, number, group.rank, group.size, job.next_step)

@@ -44,6 +44,20 @@ def test_a_checkpoint_is_published_with_a_manifest_that_verifies(tmp_path):
     assert torch.equal(loaded["model"]["w"], torch.full((4,), 7.0)) and where == location
 
 
+@pytest.mark.parametrize("url", ["dir", "memory://unbroken-generation-note"])
+def test_a_noted_generation_newer_than_the_checkpoints_is_the_floor_and_is_not_a_checkpoint(tmp_path, url):
+    from unbroken.worker.checkpointing import _has_entries
+
+    store = CheckpointStore(str(tmp_path / url) if url == "dir" else url)
+    assert store.newest_generation() == 0
+    store.note_generation(4)  # before any checkpoint: an empty directory but for the note
+    assert store.newest_generation() == 4 and store.steps() == [] and not _has_entries(store)
+    save(store, 7)  # written by generation 1 (the checkpoint's manifest)
+    assert store.newest_generation() == 4
+    store.note_generation(9)
+    assert store.newest_generation() == 9 and store.steps() == [7]
+
+
 def test_a_directory_without_its_manifest_is_invisible(tmp_path):
     store = CheckpointStore(str(tmp_path))
     save(store, 5)
