@@ -27,16 +27,21 @@ def _run(tmp_path, name: str, *flags: str) -> tuple:
     return example_runs.two_workers(str(tmp_path / name), SCRIPT, *flags, script_args=ARGS)
 
 
-def test_an_accelerate_script_survives_a_kill_with_the_model_of_a_single_process(tmp_path):
+@pytest.mark.parametrize("killed", ["leader", "1"], ids=["leader", "other"])
+def test_an_accelerate_script_survives_a_kill_with_the_model_of_a_single_process(tmp_path, killed):
     # --min-members 2: the survivor waits for the restarted worker instead of finishing the 15
     # steps left alone (40 ms here, sooner than a restart), so the rejoin and its heal always run
-    run, killed = _run(tmp_path, "killed", "--min-members", "2", "--chaos", "kill@allreduce,rank=1,step=9")
+    run, model = _run(tmp_path, "killed", "--min-members", "2", "--chaos", f"kill@allreduce,rank={killed},step=9")
+    fault = run.events("fault")[0]
+    if killed == "leader":
+        assert fault["member"] == "vm.w0.r0", "the first leader is slot 0"
+    example_runs.check_one_worker_killed(run, killed=0 if killed == "leader" else 1)
     assert sum(w["restarts"] for w in run.summary()["workers"]) == 1, run.summary()["workers"]
     assert run.events("heal"), "the restarted worker was healed from its peer"
     harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     _, healthy = _run(tmp_path, "healthy")
-    assert harness.max_relative_difference(killed, healthy) < 1e-8
-    assert harness.max_relative_difference(killed, _single(tmp_path)) < 1e-8
+    assert harness.max_relative_difference(model, healthy) < 1e-8
+    assert harness.max_relative_difference(model, _single(tmp_path)) < 1e-8
 
 
 def test_an_accelerate_job_whose_every_worker_is_killed_resumes_from_its_checkpoint(tmp_path):
