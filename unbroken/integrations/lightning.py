@@ -101,6 +101,23 @@ class _LightningState:
                 logger._version = version
 
 
+def _tokens_skip_the_batch_hooks() -> None:
+    """Lightning's loop calls the module's ``on_before_batch_transfer`` hook on each batch it
+    loads, here a step's token: the hook would get the token (and a hook that transforms the batch
+    would fail on it) instead of the real micro-batches, which :meth:`UnbrokenStrategy.training_step`
+    loads through the same hooks. Patched once, for the LightningModules of this process: a token
+    passes through unchanged, any other batch goes to the hook as before."""
+    plain = pl.LightningModule._on_before_batch_transfer
+    if getattr(plain, "_unbroken_skips_tokens", False):
+        return
+
+    def on_before_batch_transfer(module: Any, batch: Any, dataloader_idx: int = 0) -> Any:
+        return batch if isinstance(batch, _Token) else plain(module, batch, dataloader_idx)
+
+    on_before_batch_transfer._unbroken_skips_tokens = True
+    pl.LightningModule._on_before_batch_transfer = on_before_batch_transfer
+
+
 def _continue_csv_logs() -> None:
     """Lightning's CSV logger writes on rank zero only, and a writer made in a directory that holds
     a ``metrics.csv`` deletes it; one that appends columns rewrites the file with its own header.
@@ -175,6 +192,7 @@ class UnbrokenStrategy(SingleDeviceStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         check_trainer(trainer, self.precision_plugin)  # before the model is converted and anything trains
         _continue_csv_logs()
+        _tokens_skip_the_batch_hooks()
         # unbroken plans the training samples, and validation loaders are not sharded: no
         # DistributedSampler for any loader
         trainer._accelerator_connector.use_distributed_sampler = False
@@ -242,15 +260,23 @@ class UnbrokenStrategy(SingleDeviceStrategy):
                 self.lightning_module.trainer.should_stop = True
                 return None
             for micro in step.micro_batches():
-                micro = self.precision_plugin.convert_input(micro)  # as Lightning's loop converts each batch it loads
+                micro = self._load(micro)
                 with self.precision_plugin.train_step_context():
-                    out = self.lightning_module.training_step(self.batch_to_device(micro), batch_idx)
+                    out = self.lightning_module.training_step(micro, batch_idx)
                 loss = out["loss"] if isinstance(out, dict) else out
                 if loss is None:
                     raise _refuse("a training_step that returns None (skipping a batch would leave its samples out)")
                 step.backward(loss)
             if step.reduce():
                 return torch.tensor(step.loss, dtype=torch.float32, device=self.root_device, requires_grad=True)
+
+    def _load(self, micro: Any) -> Any:
+        """A micro-batch as Lightning's loop loads each batch: converted to the precision's dtype,
+        then the module's (or datamodule's) ``on_before_batch_transfer``, ``transfer_batch_to_device``
+        and ``on_after_batch_transfer`` hooks, in that order (the step's token skips them)."""
+        micro = self.precision_plugin.convert_input(micro)
+        micro = self.lightning_module._on_before_batch_transfer(micro, dataloader_idx=0)
+        return self.batch_to_device(micro, dataloader_idx=0)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The step's losses were backpropagated in :meth:`training_step`: run the hooks only."""

@@ -66,6 +66,52 @@ def test_each_lightning_batch_is_one_step_of_the_global_batch_and_equals_sgd_on_
     assert trainer.strategy.job.next_step == 3
 
 
+class Scaled(Linear):
+    """A module whose ``on_before_batch_transfer`` transforms the batch (doubles the inputs), and
+    that records each batch hook's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        self.calls.append(("before", batch))
+        x, y = batch
+        return 2 * x, y
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.calls.append(("transfer", batch))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.calls.append(("after", batch))
+        return batch
+
+    def training_step(self, batch, batch_idx):
+        self.calls.append(("training_step", batch))
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_batch_transfer_hooks_run_on_every_real_micro_batch_and_training_step_sees_their_result():
+    model = Scaled()
+    reference = copy.deepcopy(model.net)
+    trainer = _trainer(max_steps=3, accumulate_grad_batches=2)
+    trainer.fit(model, _loader())
+    names = [name for name, _ in model.calls]
+    assert names == ["before", "transfer", "after", "training_step"] * 6, names  # per micro-batch, as Lightning calls them
+    raw = [batch for name, batch in model.calls if name == "before"]
+    seen = [batch for name, batch in model.calls if name == "training_step"]
+    for before, trained in zip(raw, seen):
+        assert isinstance(before, (list, tuple)) and torch.equal(trained[0], 2 * before[0]) and torch.equal(trained[1], before[1])
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for s in range(3):  # SGD on each step's transformed global batch
+        x, y = (torch.cat([seen[2 * s][i], seen[2 * s + 1][i]]) for i in range(2))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+    assert torch.allclose(model.net.weight, reference.weight, rtol=1e-12, atol=0)
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter([])
