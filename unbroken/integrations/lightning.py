@@ -273,10 +273,15 @@ class UnbrokenStrategy(SingleDeviceStrategy):
     def _load(self, micro: Any) -> Any:
         """A micro-batch as Lightning's loop loads each batch: converted to the precision's dtype,
         then the module's (or datamodule's) ``on_before_batch_transfer``, ``transfer_batch_to_device``
-        and ``on_after_batch_transfer`` hooks, in that order (the step's token skips them)."""
+        and ``on_after_batch_transfer`` hooks, in that order (the step's token skips them). It is
+        then the batch ``self.log`` sees (an epoch mean weighs each value by its batch's size)."""
         micro = self.precision_plugin.convert_input(micro)
         micro = self.lightning_module._on_before_batch_transfer(micro, dataloader_idx=0)
-        return self.batch_to_device(micro, dataloader_idx=0)
+        micro = self.batch_to_device(micro, dataloader_idx=0)
+        results = self.lightning_module.trainer._results
+        if results is not None:  # as Lightning's logger connector attaches each batch it loads (it got the token)
+            results.batch, results.batch_size = micro, None
+        return micro
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The step's losses were backpropagated in :meth:`training_step`: run the hooks only."""

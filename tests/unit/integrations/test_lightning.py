@@ -112,6 +112,27 @@ def test_the_batch_transfer_hooks_run_on_every_real_micro_batch_and_training_ste
     assert torch.allclose(model.net.weight, reference.weight, rtol=1e-12, atol=0)
 
 
+class LoggedPerEpoch(Linear):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append((loss.item(), len(batch[0])))
+        self.log("loss", loss, on_step=True, on_epoch=True)  # an epoch mean: Lightning weighs it by the batch's size
+        return loss
+
+
+def test_a_training_loss_logged_per_epoch_is_weighted_by_each_real_micro_batchs_size():
+    model = LoggedPerEpoch()
+    trainer = _trainer(max_epochs=1, accumulate_grad_batches=2)
+    trainer.fit(model, _loader(60))  # 7 steps of 8, micro-batches of 4
+    assert len(model.losses) == 14
+    mean = sum(loss * n for loss, n in model.losses) / sum(n for _, n in model.losses)
+    assert trainer.callback_metrics["loss_epoch"].item() == pytest.approx(mean, rel=1e-12)
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter([])
