@@ -16,11 +16,39 @@ ends the process without the teardown.
 
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Any, Callable
 
+BRIEF_WAIT = 0.02
+"""Seconds a Gloo collective is first waited for inside torch (:func:`wait_briefly`)."""
+PENDING = object()
+"""What :func:`wait_briefly` returns for a work still running."""
+
 _running: set[threading.Thread] = set()
 _lock = threading.Lock()
+
+
+def wait_briefly(work: Any, future: Any, seconds: float = BRIEF_WAIT) -> Any:
+    """Wait up to ``seconds`` inside torch (the collective's own thread wakes this one): None if
+    the work completed, its error's text if it failed, :data:`PENDING` if it still runs (a
+    timed-out wait leaves it running; the caller then watches it). A healthy step's waits mostly
+    end here: waking through the future's callback and an Event cost 0.1-0.15 ms a wait on 2
+    cores, a fifth of a small model's step. A verdict that comes meanwhile is seen at most
+    ``seconds`` later."""
+    if seconds <= 0:
+        return PENDING
+    try:
+        work.wait(datetime.timedelta(seconds=seconds))
+        return None
+    except Exception:  # noqa: BLE001 - a timeout, or the work's failure
+        if not future.done():
+            return PENDING  # timed out; the work runs on
+    try:  # done: it failed, or it ended just after the timeout; its own wait says which
+        work.wait()
+        return None
+    except Exception as exc:  # noqa: BLE001 - only the text: an exception object would hold the work
+        return str(exc)
 
 
 def wait_in_thread(work: Any, done: Callable[[], None]) -> list[str | None]:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.errors import GenerationFailed
-from unbroken.worker.blocking_waits import call_in_thread, wait_in_thread
+from unbroken.worker.blocking_waits import PENDING, call_in_thread, wait_briefly, wait_in_thread
 from unbroken.worker.nccl import abort as abort_nccl
 from unbroken.worker.nccl import nccl_environment, prepare_environment  # noqa: F401 - nccl_environment: its old home
 from unbroken.worker.torch_groups import _connect_ring, _device, _nccl_group
@@ -308,14 +308,16 @@ class GenerationGroup:
             future = None
         if future is not None:
             future.add_done_callback(lambda _: self._wake.set())
-            self._watch(future.done, what)
-            error = None
-            try:
-                work.wait()
-            except Exception as exc:
-                # Only the text: an exception object would tie this frame (and the work, which
-                # holds the group's sockets) into a reference cycle that only the GC can free.
-                error = str(exc)
+            error = PENDING if self._abandoned() else wait_briefly(work, future)
+            if error is PENDING:
+                self._watch(future.done, what)
+                error = None
+                try:
+                    work.wait()
+                except Exception as exc:
+                    # Only the text: an exception object would tie this frame (and the work, which
+                    # holds the group's sockets) into a reference cycle that only the GC can free.
+                    error = str(exc)
         else:
             # Gloo's send/recv have no future and report completion only through a blocking
             # wait(): do that on a helper thread, which is left behind if the wait is abandoned.
