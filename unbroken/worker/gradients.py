@@ -73,25 +73,58 @@ class Bucket:
     launched: bool = False
     control: bool = False
     extra: int = field(init=False)
+    _views: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _views_of: Any = field(default=None, init=False, repr=False)
+    _presence: dict[tuple[float, ...], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.extra = len(self.params) + (CONTROL_SLOTS if self.control else 0)
 
+    def _shaped(self) -> list[torch.Tensor] | None:
+        """Views of :attr:`flat`, one per parameter, shaped like it (remade when ``flat`` is
+        replaced); None when a parameter is sharded (its gradient is a DTensor: the plain path)."""
+        if self._views_of is not self.flat:
+            self._views_of = self.flat
+            self._views = None
+            if all(_local(p) is p for p in self.params):
+                self._views = [self.flat[off : off + p.numel()].view_as(p) for p, off in zip(self.params, self.offsets)]
+        return self._views
+
     def pack(self) -> None:
-        presence = []
-        for p, off in zip(self.params, self.offsets):
-            view = self.flat[off : off + _local(p).numel()]
-            if p.grad is None:
-                view.zero_()
-                presence.append(0.0)
-            else:
-                view.copy_(_local(p.grad).reshape(-1))
-                presence.append(1.0)
+        grads = [p.grad for p in self.params]
+        shaped = self._shaped()
+        if shaped is not None and all(g is not None for g in grads):  # one copy for every parameter
+            torch._foreach_copy_(shaped, grads)
+            presence = (1.0,) * len(grads)
+        else:
+            presence = []
+            for p, off, g in zip(self.params, self.offsets, grads):
+                view = self.flat[off : off + _local(p).numel()]
+                if g is None:
+                    view.zero_()
+                    presence.append(0.0)
+                else:
+                    view.copy_(_local(g).reshape(-1))
+                    presence.append(1.0)
+            presence = tuple(presence)
         # the presence slots in one copy (on a GPU, one transfer instead of one per parameter)
-        self.flat[self.numel : self.numel + len(presence)].copy_(torch.tensor(presence, dtype=self.flat.dtype))
+        slots = self._presence.get(presence)
+        if slots is None:
+            slots = self._presence[presence] = torch.tensor(presence, dtype=self.flat.dtype).to(self.flat.device)
+        self.flat[self.numel : self.numel + len(presence)].copy_(slots)
 
     def unpack(self) -> None:
         present = self.flat[self.numel : self.numel + len(self.params)].tolist()  # one read (one sync on a GPU)
+        shaped = self._shaped()
+        if shaped is not None and all(present):
+            grads = [p.grad for p in self.params]
+            if all(g is None for g in grads):  # after zero_grad(set_to_none=True): new tensors in one call
+                for p, g in zip(self.params, torch._foreach_mul(shaped, 1.0)):
+                    p.grad = g
+                return
+            if all(g is not None for g in grads):
+                torch._foreach_copy_(grads, shaped)
+                return
         for p, off, here in zip(self.params, self.offsets, present):
             if here == 0:
                 p.grad = None
@@ -327,7 +360,7 @@ class GradientReducer:
         self._armed = False
         for bucket in self.buckets:
             shape, dtype, device = bucket.flat.shape, bucket.flat.dtype, bucket.flat.device
-            bucket.flat = bucket.work = None  # let go of the old buffer before the new one exists
+            bucket.flat = bucket.work = bucket._views_of = bucket._views = None  # let go of the old buffer first
             bucket.flat = torch.zeros(shape, dtype=dtype, device=device)
             bucket.launched = False
         if self.control is not None:
