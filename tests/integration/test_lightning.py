@@ -91,6 +91,7 @@ def test_a_docs_style_script_with_logger_checkpoints_and_early_stopping_survives
     logs_dir = os.path.join(root, "logs")
     written = [v for v in os.listdir(logs_dir) if os.path.exists(os.path.join(logs_dir, v, "metrics.csv"))]
     assert written == ["version_0"], "one logger version across leaders: a new leader continues its predecessor's"
+    assert os.listdir(logs_dir) == ["version_0"], "no other version directory, not even an empty one made by the restarted worker"
     assert len(os.listdir(os.path.join(root, "checkpoints"))) == 2, os.listdir(os.path.join(root, "checkpoints"))
     logs = "".join(open(os.path.join(run_dir, "workers", f"w{i}.log")).read() for i in range(2))
     assert "Traceback" not in logs, logs[-3000:]

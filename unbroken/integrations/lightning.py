@@ -27,6 +27,7 @@ set to the job's, so that every worker's Lightning takes the same decisions at t
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -188,6 +189,17 @@ class UnbrokenStrategy(SingleDeviceStrategy):
     @property
     def is_global_zero(self) -> bool:
         return self._loop is None or self._loop.job.is_leader
+
+    def setup_environment(self) -> None:
+        """A restarted worker is not rank zero until it joins (the generation tells it its rank):
+        before, its local rank 0 would make it create a logger's experiment in the next free
+        version directory (``version_1``, left empty: the heal gives it the leader's version),
+        and log the hyperparameters there, before it knows whether it leads."""
+        super().setup_environment()
+        if self._loop is None and int(os.environ.get("UNBROKEN_RESTART_COUNT", "0") or 0) > 0:
+            from unbroken.worker.default_group import tell_rank_zero_helpers
+
+            tell_rank_zero_helpers(1)
 
     def setup(self, trainer: "pl.Trainer") -> None:
         check_trainer(trainer, self.precision_plugin)  # before the model is converted and anything trains
