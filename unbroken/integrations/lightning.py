@@ -98,8 +98,12 @@ class _LightningState:
         if state.get("callbacks"):  # absent from states of earlier versions
             call._call_callbacks_load_state_dict(self._trainer, {"callbacks": state["callbacks"]})
         for logger, version in zip(self._trainer.loggers, state.get("logger_versions") or ()):
-            if version is not None and hasattr(logger, "_version"):
+            if version is not None and hasattr(logger, "_version") and logger._version != version:
                 logger._version = version
+                # an experiment made before (a fresh launch resuming from a checkpoint made one in
+                # the next free version at setup) writes where the version no longer says
+                if getattr(logger, "_experiment", None) is not None:
+                    logger._experiment = None
 
 
 def _tokens_skip_the_batch_hooks() -> None:

@@ -272,3 +272,24 @@ def test_devices_auto_is_one_device_per_worker_even_where_lightning_would_take_s
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, _loader())
     assert trainer.global_step == 2
+
+
+def test_a_healed_logger_version_moves_an_experiment_made_before_to_that_version(tmp_path):
+    """A fresh launch resuming from a checkpoint made its CSVLogger's experiment in the next free
+    version at setup; the checkpoint's version then comes with the state: the metrics must go to
+    the directory the version names, not the one made before."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from unbroken.integrations.lightning import _LightningState
+
+    (tmp_path / "logs" / "version_0").mkdir(parents=True)  # the first launch's
+    logger = CSVLogger(str(tmp_path), name="logs")
+    assert logger.version == 1 and logger.experiment.log_dir.endswith("version_1")  # made at setup
+    state = _LightningState(SimpleNamespace(lr_scheduler_configs=[], loggers=[logger]))
+    state.load_state_dict({"schedulers": [], "callbacks": {}, "logger_versions": [0]})
+    assert logger.version == 0 and logger.experiment.log_dir.endswith("version_0")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.save()
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").exists()
