@@ -1,13 +1,16 @@
-"""A healthy step of an Accelerate script and of a Lightning Trainer under unbroken, each next to
-the same script under torchrun with the framework's own distribution (issue 28).
+"""A healthy step of an Accelerate script, a Lightning Trainer and a Hugging Face Trainer under
+unbroken, each next to the same script under torchrun with the framework's own distribution
+(issues 28 and 45).
 
-    python benchmarks/bench_integrations.py [--pairs 5] [--steps 40] [--width 1024] [--frameworks accelerate,lightning]
+    python benchmarks/bench_integrations.py [--pairs 5] [--steps 40] [--width 1024] [--frameworks accelerate,lightning,transformers]
 
 Two CPU workers run the same MLP (two micro-batches of 16 per worker and step, clipping, AdamW):
 ``benchmarks/accelerate_step.py`` with Accelerate's ``Accelerator`` under ``torchrun`` and with
 ``unbroken.integrations.accelerate.Accelerator`` under ``unbroken run``; ``benchmarks/lightning_step.py``
 with ``strategy="ddp"`` under ``torchrun`` and with ``UnbrokenStrategy`` under ``unbroken run``;
-unbroken's given the same global batch. The runs alternate, in pairs; each reports the mean step
+``benchmarks/transformers_step.py`` with ``transformers.Trainer`` under ``torchrun`` and with
+``unbroken.integrations.transformers.Trainer`` under ``unbroken run``; unbroken's given the same
+global batch. The runs alternate, in pairs; each reports the mean step
 after the first five. Prints a markdown table with the medians and the pairwise ratios, and
 writes benchmarks/results/integrations.json.
 """
@@ -38,7 +41,8 @@ def _step_seconds(argv: list[str]) -> float:
 
 
 SCRIPTS = {"accelerate": ("accelerate_step.py", "Accelerate's Accelerator", "unbroken's Accelerator"),
-           "lightning": ("lightning_step.py", "Lightning's DDP strategy", "UnbrokenStrategy")}
+           "lightning": ("lightning_step.py", "Lightning's DDP strategy", "UnbrokenStrategy"),
+           "transformers": ("transformers_step.py", "transformers.Trainer", "unbroken's Trainer")}
 
 
 def main() -> None:
@@ -46,7 +50,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--frameworks", default="accelerate,lightning")
+    parser.add_argument("--frameworks", default="accelerate,lightning,transformers")
     args = parser.parse_args()
     common = ["--steps", str(args.steps), "--width", str(args.width)]
     results: dict[str, dict[str, list[float]]] = {}
