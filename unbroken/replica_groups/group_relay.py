@@ -365,6 +365,10 @@ class GroupWatchdog:
                         self.on_view(view.value)
             except Exception as exc:  # the judge decides what a store that fails means
                 log.debug("group relay %s: tick failed: %s", self.relay.prefix, exc)
+                # a dead store host fails every call, each raising torch's error with a C++ stack
+                # (built holding the GIL): back off, so that the judge and the training thread run
+                self._stop.wait(max(period, self.relay.peer_timeout / 4))
+                continue
             self._stop.wait(period)
 
     def _judge_loop(self) -> None:
