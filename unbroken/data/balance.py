@@ -258,9 +258,12 @@ class SustainedSlowdowns:
         self._last: dict[str, tuple[int, float]] = {}  # member -> the last (step, time) it was flagged
         self._announced: set[str] = set()
 
-    def update(self, step: int, now: float, flagged: set[str], at_pace: set[str]) -> list[str]:
-        """After a step: the members flagged now and those known to be at pace; the members to
-        announce (each once per job)."""
+    def update(self, step: int, now: float, members: set[str], flagged: set[str], at_pace: set[str]) -> list[str]:
+        """After a step: the generation's members, those flagged now and those known to be at
+        pace; the members to announce (each once per job, and only while a member: one that left
+        is slow no more, and under a new name when it comes back)."""
+        for name in [name for name in self._since if name not in members]:
+            del self._since[name]
         for name in flagged:
             self._since.setdefault(name, (step, now))
             self._last[name] = (step, now)

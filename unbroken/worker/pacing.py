@@ -152,7 +152,7 @@ class Pacing:
             for i in balancer.newly_flagged():
                 self._events.emit("straggler", step=step, member=names[i], pace=round(relative[i], 3), window=self.settings.window)
             members = names[:balancer.members]
-            for name in self._sustained.update(step, time.monotonic(), {members[i] for i in balancer.flagged()},
+            for name in self._sustained.update(step, time.monotonic(), set(members), {members[i] for i in balancer.flagged()},
                                                {members[i] for i in balancer.at_pace()}):
                 i = members.index(name)
                 log.warning("unbroken: %s is a straggler: %.0f%% of the median member's pace, slow for %d steps or more (step %d)",

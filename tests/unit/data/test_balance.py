@@ -154,7 +154,7 @@ def _watch(settings: BalanceSettings, paces_by_step, seconds_per_step: float = 0
         if b is None or (new_generation_every and step % new_generation_every == 0):
             b = Balancer(settings, total=48, unit=2, members=len(names))
         b.observe(paces)
-        found = watch.update(step, step * seconds_per_step, {names[i] for i in b.flagged()}, {names[i] for i in b.at_pace()})
+        found = watch.update(step, step * seconds_per_step, set(names), {names[i] for i in b.flagged()}, {names[i] for i in b.at_pace()})
         if found:
             said.append((step, found))
     return said
@@ -190,6 +190,18 @@ def test_members_slow_in_turn_are_never_announced_until_one_stays_slow():
     assert _watch(settings, turns) == []
     said = _watch(settings, turns + [[0.01, 0.01, 0.01, 0.03]] * 40)
     assert [names for _, names in said] == [["d"]] and said[0][0] >= 60 + 10
+
+
+def test_a_slow_member_that_left_is_never_announced_and_starts_again_under_its_new_name():
+    settings = BalanceSettings(mode="report", window=3, announce_after=10, announce_after_s=0.0)
+    watch = SustainedSlowdowns(settings)
+    b = Balancer(settings, total=48, unit=2, members=4)
+    for step in range(8):  # "b" is flagged, then killed before its slowdown is sustained
+        b.observe([0.01, 0.03, 0.01, 0.01])
+        assert watch.update(step, float(step), {"a", "b", "c", "d"}, {("a", "b", "c", "d")[i] for i in b.flagged()}, set()) == []
+    assert b.flagged() == [1]
+    for step in range(8, 40):  # the others go on without it: "b" is never said
+        assert watch.update(step, float(step), {"a", "c", "d"}, set(), {"a", "c", "d"}) == []
 
 
 def test_an_oversubscribed_hosts_noise_is_never_announced():
