@@ -131,6 +131,7 @@ class Balancer:
         """True once a second member was flagged in this generation: members are slow in turn (an
         oversubscribed host, or more than one slow member)."""
         self._floor_for = [0] * members  # steps in a row below evict_below
+        self._relative: list[float | None] = [None] * members
         self.changed = False
         """True if the last :meth:`observe` changed the split."""
 
@@ -148,7 +149,11 @@ class Balancer:
         return [statistics.median(seen) if seen else None for seen in self._seen]
 
     def relative_paces(self) -> list[float | None]:
-        """Each member's pace as a fraction of the median member's (1.0: typical, 0.5: half as fast)."""
+        """Each member's pace as a fraction of the median member's (1.0: typical, 0.5: half as fast),
+        as of the last :meth:`observe` (computed there once: the leader reads it several times a step)."""
+        return list(self._relative)
+
+    def _measure_relative(self) -> list[float | None]:
         found = self.estimates()
         known = [s for s in found if s is not None]
         if not known:
@@ -166,7 +171,7 @@ class Balancer:
                 seen.append(value)
         self._since_change += 1
         self.changed = False
-        relative = self.relative_paces()
+        relative = self._relative = self._measure_relative()
         window = self.settings.window
         release = (1.0 + self.settings.flag_below) / 2  # hysteresis: a flagged member must get clearly back
         self._newly = []
