@@ -25,12 +25,17 @@ def _check_report(run_dir: str) -> None:
 
 def test_the_digits_example_survives_a_sigkill_and_reports_it(tmp_path):
     steps = 30
-    run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "2", "--record-samples",
+    # --min-members 2: the survivor waits for the restarted worker, so the restart and the rejoin
+    # are certain (30 steps of this example take 0.1 s: without it the job could finish before the
+    # launcher's backoff ran out, as it did once under CI's load).
+    run = harness.unbroken(str(tmp_path / "run"), "--nproc-per-node", "2", "--min-members", "2", "--record-samples",
                            "--chaos", "kill@step,rank=1,step=5", EXAMPLE, "--steps", str(steps), "--log-every", "10")
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert [(f["fault"], f["step"]) for f in run.events("fault")] == [("kill", 5)]
     workers = {w["local_rank"]: w for w in run.summary()["workers"]}
     assert workers[1]["restarts"] == 1 and workers[0]["restarts"] == 0, workers
+    healed = [h["step"] for h in run.events("heal") if "vm.w1.r1" in h["receivers"]]
+    assert healed and 0 < healed[0] < steps, f"the restarted worker was not healed mid-run: {healed}"
     harness.wait_for(lambda: not harness.alive_workers(run.run_dir), 30, "no process left behind")
     harness.check_exactly_once(run.run_dir, steps, GLOBAL)
     _check_report(run.run_dir)
