@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from unbroken.worker import devices, job_setup, mixed_precision, state_digests, step_loop
+from unbroken.worker import allocator, devices, job_setup, mixed_precision, state_digests, step_loop
 from unbroken.worker.chaos import Chaos
 from unbroken.worker.checkpointing import Checkpointing
 from unbroken.data.data_plan import DataPlan
@@ -107,6 +107,7 @@ class Job:
         checkpoint: "CheckpointSettings | None" = None,
     ) -> None:
         self.settings = settings or RuntimeSettings.from_env()
+        self.settings.tune_malloc and allocator.tune()  # before the model's first step allocates
         self.distributed = self.settings.coordinator is not None
         from unbroken.worker.group_member import job_group
 

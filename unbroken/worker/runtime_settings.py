@@ -70,6 +70,11 @@ class RuntimeSettings:
     that libraries that read the world (rank-zero loggers, metric syncs) see this member's rank
     and the generation's size; see :mod:`unbroken.worker.default_group`. Replica groups keep their own."""
 
+    tune_malloc: bool = True
+    """Fix glibc's malloc thresholds in this process (``UNBROKEN_TUNE_MALLOC``): blocks up to 32 MiB
+    come from the heap and up to 64 MiB free at its top stays for reuse, so that a step's large
+    temporaries do not fault in fresh pages every time (:mod:`unbroken.worker.allocator`)."""
+
     stragglers: str = "balance"
     """What to do about a member slower than the others (``UNBROKEN_STRAGGLERS``): ``balance``
     gives it fewer micro-batches and flags it, ``report`` only flags it, ``evict`` also ends a member
