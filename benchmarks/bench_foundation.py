@@ -29,8 +29,9 @@ from testbed.harness import wait_for  # noqa: E402
 from unbroken.observe.events import read_events  # noqa: E402
 
 
-def _run(cmd: list[str], timeout: float, cwd: str) -> str:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd)
+def _run(cmd: list[str], timeout: float, cwd: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=cwd,
+                            env={**os.environ, **env} if env else None)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,14 +1,16 @@
 """What unbroken costs a healthy job: step time and start-up against plain DDP under torchrun,
 side by side (issue 17).
 
-    python benchmarks/bench_overhead.py [--workers 2] [--trials 3] [--widths 100,1870,4870]
+    python benchmarks/bench_overhead.py [--workers 2] [--trials 3] [--widths 100,1870,4870] [--torchrun-malloc default|tuned]
 
 For each model size (an MLP of about 35 k, 4 M and 25 M parameters at the default widths), the
 two systems run the same script (``benchmarks/train_bench.py``: same model, samples and global
 batch) in interleaved pairs, so that the machine's noise falls on both. Reported per size: the
 median step time of each and the median of the per-pair ratios; and, from the smallest size's
 runs, the start-up: from launching the command to the first committed step. Prints a markdown
-table and writes benchmarks/results/overhead.json.
+table and writes benchmarks/results/overhead.json. unbroken's workers fix glibc's malloc
+thresholds (``tune_malloc``); ``--torchrun-malloc tuned`` gives DDP's workers the same ones
+through glibc's variables, to tell that part of a difference from the rest.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def _params(width: int) -> int:
     return 256 * width + width + width * width + width + width * 10 + 10
 
 
-def _one(system: str, workers: int, width: int, steps: int, tmp: str, index: int) -> tuple[float, float]:
+def _one(system: str, workers: int, width: int, steps: int, tmp: str, index: int,
+         malloc: dict[str, str] | None = None) -> tuple[float, float]:
     """(median step seconds, seconds from launch to the first committed step)."""
     args = [SCRIPT, "--mode", system, "--steps", str(steps), "--width", str(width), "--warmup", str(min(20, steps // 4))]
     if system == "ddp":
@@ -40,7 +43,7 @@ def _one(system: str, workers: int, width: int, steps: int, tmp: str, index: int
         cmd = [sys.executable, "-m", "unbroken", "run", "--nproc-per-node", str(workers), "--progress-interval", "0",
                "--run-dir", os.path.join(tmp, f"u{index}"), *args]
     launched = time.time()
-    out = _run(cmd, 1200, tmp)
+    out = _run(cmd, 1200, tmp, malloc if system == "ddp" else None)
     first = min(float(v) for v in re.findall(r"FIRST_STEP_AT ([0-9.]+)", out))
     return _step_seconds(out), first - launched
 
@@ -51,7 +54,14 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--widths", default="100,1870,4870", help="MLP widths (default: about 35 k, 4 M and 25 M parameters)")
     parser.add_argument("--steps", default="300,60,30", help="steps per run for each width")
+    parser.add_argument("--torchrun-malloc", choices=["default", "tuned"], default="default",
+                        help="tuned: run DDP's workers with glibc's thresholds fixed as unbroken's workers fix them"
+                             " (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_; tune_malloc in docs/guide/settings.md)")
     args = parser.parse_args()
+    from unbroken.worker.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+    malloc = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)} \
+        if args.torchrun_malloc == "tuned" else None
     widths = [int(w) for w in args.widths.split(",")]
     steps = [int(s) for s in args.steps.split(",")]
     rows = []
@@ -62,7 +72,7 @@ def main() -> int:
             for trial in range(args.trials):
                 order = ("ddp", "unbroken") if trial % 2 == 0 else ("unbroken", "ddp")
                 for system in order:
-                    step, first = _one(system, args.workers, width, count, tmp, len(times[system]) + 100 * width)
+                    step, first = _one(system, args.workers, width, count, tmp, len(times[system]) + 100 * width, malloc)
                     times[system].append(step)
                     if width == widths[0]:
                         startup[system].append(first)
@@ -76,7 +86,7 @@ def main() -> int:
     for row in rows:
         print(f"| {row['params'] / 1e6:.3g} M parameters | {seconds(row['ddp'], 4)} | {seconds(row['unbroken'], 4)} | {seconds(row['ratio'], 3, 'x')} | ≤ 1.02 x |")
     print(f"| start-up to the first committed step | {seconds(startup['ddp'])} | {seconds(startup['unbroken'])} | {seconds(start_ratio, 3, 'x')} | ≤ 1.0 x |")
-    save_results(os.path.join(HERE, "results", "overhead.json"), {"workers": args.workers, "sizes": rows, "startup": startup, "startup_ratio": start_ratio})
+    save_results(os.path.join(HERE, "results", "overhead.json" if malloc is None else "overhead_tuned_torchrun.json"), {"workers": args.workers, "sizes": rows, "startup": startup, "startup_ratio": start_ratio})
     return 0
 
 
