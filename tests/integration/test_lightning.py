@@ -36,9 +36,14 @@ def test_a_lightning_trainer_survives_a_kill_with_the_model_of_a_single_process(
     example_runs.check_one_worker_killed(run)
     harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     assert re.search(rf"done: {STEPS} steps", run.stdout), run.stdout[-2000:]  # global_step: committed steps only
-    _, healthy = _run(tmp_path, "healthy")
+    healthy_run, healthy = _run(tmp_path, "healthy")
     assert harness.max_relative_difference(killed, healthy) < 1e-8
     assert harness.max_relative_difference(killed, _single(tmp_path)) < 1e-8
+    # the example logs val_loss per epoch without sync_dist: Lightning's advice to add it is wrong
+    # here (every worker validates everything; sync_dist is local) and is not printed
+    for rank in (0, 1):
+        with open(os.path.join(healthy_run.run_dir, "workers", f"w{rank}.log")) as f:
+            assert "It is recommended to use `self.log(" not in f.read()
 
 
 def test_a_lightning_job_whose_every_worker_is_killed_resumes_from_its_checkpoint(tmp_path):

@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError(f"unbroken.integrations.lightning needs PyTorch Lightning: pip install 'unbroken[lightning]' ({exc})") from None
 
 from unbroken.integrations.driven_loop import DrivenLoop, UnsupportedFeature, refuse
-from unbroken.integrations.lightning_parts import check_trainer, record_devices_argument
+from unbroken.integrations.lightning_parts import check_trainer, quiet_sync_dist_advice, record_devices_argument
 
 
 def _refuse(feature: str) -> UnsupportedFeature:
@@ -209,6 +209,7 @@ class UnbrokenStrategy(SingleDeviceStrategy):
         check_trainer(trainer, self.precision_plugin)  # before the model is converted and anything trains
         _continue_csv_logs()
         _tokens_skip_the_batch_hooks()
+        quiet_sync_dist_advice()
         # unbroken plans the training samples, and validation loaders are not sharded: no
         # DistributedSampler for any loader
         trainer._accelerator_connector.use_distributed_sampler = False

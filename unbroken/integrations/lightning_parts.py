@@ -79,3 +79,16 @@ def _check_devices(connector: Any) -> None:
             f"UnbrokenStrategy does not support num_nodes={nodes!r}: unbroken joins the nodes itself. Give the Trainer"
             f" num_nodes=1 and run `unbroken run --nnodes {nodes} --rdzv-endpoint HOST:PORT ...` on each node"
             f" (see docs/guide/several-hosts.md)")
+
+
+def quiet_sync_dist_advice() -> None:
+    """Lightning advises ``self.log(..., sync_dist=True)`` for every epoch-level metric logged
+    while torch.distributed is initialised, which it is inside unbroken's loop (each generation is
+    the default group). Under :class:`~unbroken.integrations.lightning.UnbrokenStrategy` the advice
+    is wrong: every worker validates the whole validation set and ``sync_dist`` is local
+    (docs/guide/lightning.md), so the warning is filtered in this process, that one message only."""
+    import warnings
+
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(", category=PossibleUserWarning)
