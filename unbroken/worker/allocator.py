@@ -23,7 +23,6 @@ mapped and returned as before. Off with ``RuntimeSettings(tune_malloc=False)``
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -35,14 +34,14 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 _tuned = False
 
 
-def tune() -> bool:
-    """Fix glibc's thresholds in this process (once); True if they are set."""
+def tune(wanted: bool = True) -> bool:
+    """Fix glibc's thresholds in this process (once) if ``wanted`` (the ``tune_malloc`` setting);
+    True if they are set."""
     global _tuned
-    if _tuned:
-        return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+    if _tuned or not wanted:
+        return _tuned
+    try:  # the process's own symbols: libc's, without a search (find_library runs ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc: nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -107,7 +107,7 @@ class Job:
         checkpoint: "CheckpointSettings | None" = None,
     ) -> None:
         self.settings = settings or RuntimeSettings.from_env()
-        self.settings.tune_malloc and allocator.tune()  # before the model's first step allocates
+        allocator.tune(self.settings.tune_malloc)  # before the first step allocates
         self.distributed = self.settings.coordinator is not None
         from unbroken.worker.group_member import job_group
 
