@@ -38,6 +38,7 @@ def run_worker(request: dict[str, Any]) -> None:
         sys.modules["numpy"].random.seed()  # as a fresh interpreter's: from the OS, not the zygote's
     target, *args = request["argv"]
     explain_init_process_group()
+    refuse_zero_redundancy_optimizer()
     try:
         if request["module"]:
             sys.argv = [target, *args]
@@ -101,3 +102,45 @@ def explain_init_process_group() -> None:
 
     init_process_group._unbroken_explains = True  # type: ignore[attr-defined]
     dist.init_process_group = distributed_c10d.init_process_group = init_process_group
+
+
+ZERO_HINT = ("ZeroRedundancyOptimizer under `unbroken run`: it keeps each part of the optimizer state on one rank"
+             " only, and that part dies with its rank, where unbroken could not heal it; every member keeps the whole"
+             " optimizer state instead. Pass the optimizer it wraps (for example torch.optim.AdamW(model.parameters(),"
+             " lr=...)); for less memory per process, shard inside a replica group (docs/guide/replica-groups.md,"
+             " docs/limits.md)")
+ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
+
+
+class _RefuseZero:
+    """An import hook for :data:`ZERO_MODULE` (importing it eagerly would cost every worker 0.24 s):
+    once the module is loaded, building its ``ZeroRedundancyOptimizer`` raises a ConfigError that
+    says what to do (:data:`ZERO_HINT`), where torch would say "Default process group has not been
+    initialized" and the user's fix, ``init_process_group``, meets :data:`INIT_HINT`."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != ZERO_MODULE:
+            return None
+        spec = next((s for f in sys.meta_path if f is not self and hasattr(f, "find_spec")
+                     for s in [f.find_spec(name, path, target)] if s is not None), None)
+        if spec is None or spec.loader is None:
+            return spec
+        loaded = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            loaded(module)
+            from unbroken.errors import ConfigError
+
+            def refused(*args: Any, **kwargs: Any) -> None:
+                raise ConfigError(ZERO_HINT)
+
+            module.ZeroRedundancyOptimizer.__init__ = refused
+
+        spec.loader.exec_module = exec_module  # this spec's own loader: nothing else loads through it
+        return spec
+
+
+def refuse_zero_redundancy_optimizer() -> None:
+    """Install :class:`_RefuseZero` first on ``sys.meta_path`` (once)."""
+    if ZERO_MODULE not in sys.modules and not any(isinstance(f, _RefuseZero) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RefuseZero())

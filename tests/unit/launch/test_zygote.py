@@ -116,6 +116,13 @@ def test_a_worker_killed_by_a_signal_reports_it_as_popen_does_and_a_traceback_ex
     assert proc.wait(timeout=30) == 1
     last = _errors(proc)[-1]
     assert "Remove dist.init_process_group(...), DDP(model)" in last and "RANK expected" not in last, last
+    zero = tmp_path / "zero.py"  # a sharded optimizer, whose shards would die with their ranks
+    zero.write_text("import torch\nfrom torch.distributed.optim import ZeroRedundancyOptimizer\n"
+                    "ZeroRedundancyOptimizer(torch.nn.Linear(2, 2).parameters(), optimizer_class=torch.optim.AdamW)\n")
+    proc = zygote.start([str(zero)], False, env)
+    assert proc.wait(timeout=30) == 1
+    last = _errors(proc)[-1]
+    assert "ZeroRedundancyOptimizer under `unbroken run`" in last and "Default process group" not in last, last
 
 
 def test_a_replica_groups_processes_share_one_process_group(zygote, tmp_path):
