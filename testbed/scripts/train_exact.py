@@ -154,8 +154,11 @@ def threads_at_exit():
     interpreter's teardown (a Gloo worker thread still running then can abort the process)."""
     names = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/comm") as f:
-            names.append(f.read().strip())
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile: not left behind
+            continue
     with open(args.resources, "a") as f:
         f.write(json.dumps({"member": os.environ.get("UNBROKEN_MEMBER_ID"), "threads_at_exit": sorted(names)}) + "\n")
 
