@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import save_results, seconds  # noqa: E402
+from benchmarks.common import save_results, seconds, torchrun_malloc_env  # noqa: E402
 
 
 def _step_seconds(argv: list[str], env: dict[str, str] | None = None) -> float:
@@ -60,10 +60,7 @@ def main() -> None:
                         help="tuned: run torchrun's workers with glibc's thresholds fixed as unbroken's workers fix them"
                              " (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_; docs/guide/settings.md, tune_malloc)")
     args = parser.parse_args()
-    from unbroken.worker.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
-
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)} \
-        if args.torchrun_malloc == "tuned" else None
+    malloc = torchrun_malloc_env(args.torchrun_malloc)
     common = ["--steps", str(args.steps), "--width", str(args.width)]
     results: dict[str, dict[str, list[float]]] = {}
     print("| 2 CPU workers | torchrun | unbroken run | ratio (pairwise) |\n| --- | --- | --- | --- |")

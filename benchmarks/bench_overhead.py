@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.bench_foundation import SCRIPT, _run, _step_seconds  # noqa: E402
-from benchmarks.common import save_results, seconds  # noqa: E402
+from benchmarks.common import save_results, seconds, torchrun_malloc_env  # noqa: E402
 
 
 def _params(width: int) -> int:
@@ -58,10 +58,7 @@ def main() -> int:
                         help="tuned: run DDP's workers with glibc's thresholds fixed as unbroken's workers fix them"
                              " (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_; tune_malloc in docs/guide/settings.md)")
     args = parser.parse_args()
-    from unbroken.worker.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
-
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)} \
-        if args.torchrun_malloc == "tuned" else None
+    malloc = torchrun_malloc_env(args.torchrun_malloc)
     widths = [int(w) for w in args.widths.split(",")]
     steps = [int(s) for s in args.steps.split(",")]
     rows = []

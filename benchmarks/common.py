@@ -31,3 +31,13 @@ def save_results(path: str, result: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def torchrun_malloc_env(choice: str) -> dict[str, str] | None:
+    """``--torchrun-malloc``: ``tuned`` gives torchrun's workers, through glibc's variables, the
+    malloc thresholds unbroken's workers set themselves (``tune_malloc``); ``default`` leaves them."""
+    if choice != "tuned":
+        return None
+    from unbroken.worker.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}

@@ -121,9 +121,13 @@ class _RefuseZero:
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != ZERO_MODULE:
             return None
-        spec = next((s for f in sys.meta_path if f is not self and hasattr(f, "find_spec")
-                     for s in [f.find_spec(name, path, target)] if s is not None), None)
-        if spec is None or spec.loader is None:
+        for finder in sys.meta_path:
+            spec = finder.find_spec(name, path, target) if finder is not self and hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None:
             return spec
         loaded = spec.loader.exec_module
 
