@@ -130,6 +130,9 @@ class LaunchSettings:
     """What the workers do about a slow member (``--stragglers``, passed as ``UNBROKEN_STRAGGLERS``):
     ``balance`` (fewer micro-batches for it, flagged), ``report`` (flagged only), ``evict`` (also
     ended when it stays below half the median pace for 20 steps) or ``off``."""
+    shard_optimizer: bool = False
+    """Workers shard the optimizer's state, each part held by two members (``--shard-optimizer``,
+    passed as ``UNBROKEN_SHARD_OPTIMIZER``; :mod:`unbroken.worker.sharded_optimizer`)."""
     etcd: str | None = None
     """``HOST:PORT,...`` of an etcd cluster: the embedded coordinator is then one of several
     candidates (one per launcher), the one that leads serves, and the job survives the loss of

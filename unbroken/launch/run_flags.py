@@ -96,6 +96,9 @@ def _add_run_workers(p: argparse.ArgumentParser, d: Mapping[str, Any]) -> None:
           help="a member slower than the others: balance gives it fewer micro-batches (the same model) and flags it,"
                " report only flags it, evict also ends one that stays below half the median pace, off measures nothing"
                " (default %(default)s)")
+    _flag(p, "--shard-optimizer", action="store_true",
+          help="shard the optimizer's state across the members, each part held by two (about 2/N of it per member),"
+               " re-partitioned among the survivors when a member is lost; element-wise torch.optim optimizers")
     _flag(p, "--backend", choices=["auto", "gloo", "nccl"], default=d["backend"].default,
           help="collective backend of the workers: gloo (CPU or CUDA tensors), nccl (CUDA), or auto: NCCL when the model is on a GPU (default %(default)s)")
 
@@ -253,6 +256,7 @@ def launch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> "Launch
         zygote=not args.no_zygote and env.get("UNBROKEN_ZYGOTE", "1") not in ("0", "false", "no"),
         backend=args.backend,
         stragglers=args.stragglers,
+        shard_optimizer=args.shard_optimizer,
         token=args.token or env.get("UNBROKEN_TOKEN") or None,
         etcd=place.etcd,
         job_id=place.job_id,

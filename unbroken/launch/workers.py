@@ -140,6 +140,8 @@ class WorkerProcesses:
             env["UNBROKEN_RECORD_SAMPLES"] = "1"
         env["UNBROKEN_BACKEND"] = s.backend
         env["UNBROKEN_STRAGGLERS"] = s.stragglers
+        if s.shard_optimizer:
+            env["UNBROKEN_SHARD_OPTIMIZER"] = "1"
         if s.checkpoint_dir:
             env["UNBROKEN_CHECKPOINT_DIR"] = s.checkpoint_dir
             env["UNBROKEN_CHECKPOINT_KEEP"] = str(s.checkpoint_keep)

@@ -68,6 +68,7 @@ RECORD, END = 1, 2
 def eligible(job: CatchingUpJob) -> bool:
     """Whether a replay can be exact for this job (both sides check it; they run one script)."""
     return (job._reducer is not None and job._group is None and job.scaler is None and job.extra_state is None
+            and getattr(job, "_sharded", None) is None  # its partitions come from their holders (resharding)
             and os.environ.get("UNBROKEN_REJOIN", "catch-up") != "heal")
 
 

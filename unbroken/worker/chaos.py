@@ -18,7 +18,9 @@ Points: ``step`` (start of a step), ``micro`` (each micro-batch the step hands t
 waited for yet), ``commit`` (after the allreduce, before the optimizer), ``heal`` (a healing
 source, after the transfer began), ``donate`` (a donor, after it began to stream its state to a
 newcomer that catches up), ``save`` (the checkpoint writer, after the data was written and
-before the manifest is published).
+before the manifest is published); with ``--shard-optimizer``: ``barrier`` (the step's barrier
+was sent, not yet waited for), ``gather`` (this member applied the step, before its gather) and
+``reshard`` (a re-partition's transfers were issued, none waited for).
 Every fault writes a ``fault`` event (kind, point, step, pid, member and its options) to the run's
 event log as it fires.
 Conditions: ``rank=`` local rank on its node, or ``rank=random``: one local rank drawn from
@@ -47,7 +49,7 @@ from unbroken.errors import ConfigError
 from unbroken.worker.local_rank import local_rank
 
 KINDS = ("kill", "hang", "spin", "slow", "fail")
-POINTS = ("step", "micro", "allreduce", "commit", "heal", "donate", "save")
+POINTS = ("step", "micro", "allreduce", "commit", "heal", "donate", "save", "barrier", "gather", "reshard")
 ENV = "UNBROKEN_CHAOS"
 _INT_KEYS = ("rank", "step", "restart", "seed")
 _SECONDS_KEYS = {"for": "duration", "at": "at", "sleep": "sleep", "by": "by"}

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.errors import EXIT_RESTART_FRESH
-from unbroken.worker import heal_plan, healing, state_digests
+from unbroken.errors import EXIT_RESTART_FRESH, JobCannotGoOn
+from unbroken.worker import heal_plan, healing, resharding, state_digests
 from unbroken.worker.randomness import seed_member
 from unbroken.worker.warm_state import adopt_parameters
 
@@ -39,6 +39,8 @@ class Healer:
     def heal(self, group: Any) -> None:
         """Heal ``group``'s members; raises :class:`GenerationFailed` if the group breaks meanwhile."""
         job = self.job
+        if job._sharded is not None:
+            self._sharded(resharding.roll_forward, group)
         statuses = self._exchange_status(group)
         if job._checkpointing.store is not None and all(fresh for _, fresh, _ in statuses):
             # Nobody in this generation holds live state (the start of a job, or every holder
@@ -65,6 +67,17 @@ class Healer:
         job._warm = None  # unused if no heal came (the whole job started afresh): let it go
         # Healing copied one member's RNG states to the others: give every member its own.
         seed_member(job.plan.seed, job.next_step, group.rank)
+        if job._sharded is not None:
+            self._sharded(resharding.reshard, group)
+
+    def _sharded(self, part: Any, group: Any) -> None:
+        """A part of the sharded optimizer's new generation (:mod:`unbroken.worker.resharding`). A
+        span nobody holds any more ends the job, saying why."""
+        try:
+            part(self.job, group)
+        except resharding.ShardedStateLost as lost:
+            self.job._joiner.report_job_failure(str(lost))
+            raise JobCannotGoOn(f"the job cannot go on: {lost}") from None
 
     def _restart_afresh(self, why: str) -> None:
         """This member's state is unverified and no peer holds a live one: it must not become the
@@ -106,6 +119,8 @@ class Healer:
                         adopt_parameters(job.model, state["model"])
                     job._load(state)
                     job._warm = None  # now the optimizer's own state (or garbage, if it did not fit)
+                    if job._sharded is not None:
+                        job._sharded.forget()  # what it held is of another step or history
                     del state
                     job.fresh = False
                     received_from = sender

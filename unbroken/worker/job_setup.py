@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from unbroken.data.data_plan import DataPlan
 from unbroken.data.loader import check_dataset
 from unbroken.worker.step_loop import OPEN_ENDED
+from unbroken.errors import ConfigError
 
 if TYPE_CHECKING:
     from unbroken.observe.events import EventLog
@@ -87,3 +88,17 @@ def emit_step(events: Any, step: Any, samples: int, total: int | None) -> None:
     events.emit("step", step=step.index, generation=step.generation, members=step.members,
                 seconds=time.monotonic() - step.started, loss=step.loss, samples=samples,
                 total=total if total is not None and total < OPEN_ENDED else None)
+
+
+def sharded_optimizer(settings: RuntimeSettings, distributed: bool, group: GroupMember | None, optimizer: Any,
+                      loop_guard: Any) -> Any:
+    """The optimizer's sharded state (``shard_optimizer``, :mod:`unbroken.worker.sharded_optimizer`), or
+    None: not asked for, or a single process (which holds the whole state, the reference)."""
+    if not settings.shard_optimizer or not distributed:
+        return None
+    if group is not None:
+        raise ConfigError("shard_optimizer cannot be combined with replica groups (--group-size > 1): a replica"
+                          " group already shards its state with FSDP; use one or the other")
+    from unbroken.worker.sharded_optimizer import ShardedOptimizer
+
+    return ShardedOptimizer(optimizer, lambda: loop_guard.check_optimizer_step(optimizer, (), {}))

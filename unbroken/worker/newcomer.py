@@ -82,8 +82,8 @@ def warm_for_joining(job: Any, group: Any, heartbeat: Any, busy: Callable[[str],
     """A fresh process joining a running job: allocate and touch its optimizer state now, while
     the others still train, so that its heal lands in warm memory (:func:`warm_before_joining`).
     Not at the job's start (no heal comes), nor in a replica group (sharded state)."""
-    if not job.fresh or job._warm is not None or group is not None or heartbeat is None:
-        return
+    if not job.fresh or job._warm is not None or group is not None or heartbeat is None or job._sharded is not None:
+        return  # (a sharded optimizer's state is received by parts, after the heal: resharding)
     job._warm = warm_before_joining(heartbeat, job.optimizer, job.model, busy, job.member_id)
 
 

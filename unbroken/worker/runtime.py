@@ -119,10 +119,10 @@ class Job:
         """True while :meth:`Step.commit` steps the optimizer: its only rightful caller."""
         self._left_on_error = False
         """Set by a framework's loop that leaves job.steps() because of an error (never a stop)."""
-        self._inputs_checked = False
-        """Whether this process's first micro-batch was followed into the model (:mod:`unbroken.worker.input_check`)."""
+        self._inputs_checked = False  # this process's first micro-batch followed into the model (input_check)
         self._loop_guard = LoopGuard(optimizer, lambda: self._committing, lambda: self.next_step)
         """Where the script's loop stands (in a step's body, which step), and the checks of its rules."""
+        self._sharded = job_setup.sharded_optimizer(self.settings, self.distributed, self._group, optimizer, self._loop_guard)
         self.dataset = dataset
         self.scheduler = scheduler
         self.extra_state = extra_state

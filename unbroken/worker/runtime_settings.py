@@ -75,6 +75,13 @@ class RuntimeSettings:
     come from the heap and up to 64 MiB free at its top stays for reuse, so that a step's large
     temporaries do not fault in fresh pages every time (:mod:`unbroken.worker.allocator`)."""
 
+    shard_optimizer: bool = False
+    """Shard the optimizer's state across the generation's members, every partition held by two of them
+    (``UNBROKEN_SHARD_OPTIMIZER``; ``unbroken run --shard-optimizer``): each member holds about 2/N of it
+    and steps those parts, and the updated parameters are gathered, ZeRO-1 style; a member's loss is
+    mended from the other copies, re-partitioned with no checkpoint (:mod:`unbroken.worker.sharded_optimizer`).
+    Element-wise torch.optim optimizers only; not with replica groups. Every member must use the same."""
+
     stragglers: str = "balance"
     """What to do about a member slower than the others (``UNBROKEN_STRAGGLERS``): ``balance``
     gives it fewer micro-batches and flags it, ``report`` only flags it, ``evict`` also ends a member

@@ -364,6 +364,8 @@ class Step:
                 return False
         job._committing = True  # the optimizer's step and zero_grad are this method's to call
         try:
+            if job._sharded is not None:
+                job._sharded.arm(job._joiner.group, self.index, job._chaos.point)
             if job.scaler is None:
                 job.optimizer.step()
                 stepped = True
@@ -372,6 +374,10 @@ class Step:
             if job.scheduler is not None:
                 job.scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
+        except GenerationFailed as exc:  # the sharded optimizer's barrier or gather: the next generation decides
+            self.failed, self.error, job._sharded.pending.step = True, exc.with_traceback(None), self
+            job.optimizer.zero_grad(set_to_none=True)
+            return False
         finally:
             job._committing = False
         self.skipped = not stepped
