@@ -114,8 +114,11 @@ class Checkpointing:
             self.schedule.adopt(record, time.monotonic())
 
     def maybe_save(self) -> None:
-        """After a commit: save if the schedule says so (rank 0 only)."""
+        """After a commit: save if the schedule says so (rank 0 only; with a sharded optimizer,
+        every member sends rank 0 its part when the step's barrier said so)."""
         job = self.job
+        if job._sharded is not None:
+            return self._maybe_save_sharded()
         if self.schedule is None or job.member_index != 0:
             return
         now = time.monotonic()
@@ -128,6 +131,35 @@ class Checkpointing:
             return
         if wanted > 0:
             self.save(skip=writing > 0)
+
+    def due_after(self, index: int) -> bool:
+        """Whether rank 0 wants a checkpoint after step ``index`` (asked at a sharded optimizer's
+        barrier, which tells every member; :mod:`unbroken.worker.sharded_saving`)."""
+        job = self.job
+        return (self.schedule is not None and job.member_index == 0 and index + 1 < (job.total or 0)
+                and not self.saver.busy() and self.schedule.due(index + 1, time.monotonic()))
+
+    def _maybe_save_sharded(self) -> None:
+        from unbroken.worker import sharded_saving
+
+        job = self.job
+        if self.schedule is not None and job.member_index == 0:
+            self._account_save_cost(time.monotonic())
+        if not job._sharded.save_due:
+            return
+        job._sharded.save_due = False
+        try:
+            with job._joiner.busy("checkpoint snapshot"):
+                held = sharded_saving.collect(job._sharded, job._joiner.group, job.next_step)
+        except GenerationFailed as exc:
+            job._abandon(str(exc))
+            return
+        if job.member_index == 0:
+            sharded_saving.install(job._sharded, held)
+            try:
+                self.save()
+            finally:
+                sharded_saving.release(job._sharded)
 
     def _account_save_cost(self, now: float) -> None:
         """What a save costs training: its stall plus how much longer the steps took while it was
@@ -237,8 +269,19 @@ class Checkpointing:
         try:
             with job._joiner.busy("checkpoint write"):
                 self.saver.wait()
+                held = None
+                if self.schedule is not None and job._sharded is not None:
+                    from unbroken.worker import sharded_saving
+
+                    held = sharded_saving.collect(job._sharded, job._joiner.group, job.next_step)
+                    if job.member_index == 0:
+                        sharded_saving.install(job._sharded, held)
                 if self.schedule is not None and job.member_index == 0:
-                    self.save(final=True)
+                    try:
+                        self.save(final=True)
+                    finally:
+                        if held is not None:
+                            sharded_saving.release(job._sharded)
                     self.saver.wait()
             if self.schedule is not None:
                 if job.member_index == 0:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unbroken.errors import EXIT_RESTART_FRESH, JobCannotGoOn
-from unbroken.worker import heal_plan, healing, resharding, state_digests
+from unbroken.errors import EXIT_RESTART_FRESH, GenerationFailed, JobCannotGoOn
+from unbroken.worker import heal_plan, healing, resharding, sharded_saving, state_digests
 from unbroken.worker.randomness import seed_member
 from unbroken.worker.warm_state import adopt_parameters
 
@@ -49,6 +49,8 @@ class Healer:
             if group.rank == 0:
                 with job._joiner.busy("reading a checkpoint"):
                     job._checkpointing.resume()
+                if job._sharded is not None:  # the whole optimizer state it read: re-partitioned below
+                    sharded_saving.adopt_loaded(job._sharded, job.next_step)
                 group.set_flag("resume-read")
             else:
                 group.wait_flag("resume-read", "waiting for a checkpoint to be read")
@@ -72,12 +74,25 @@ class Healer:
 
     def _sharded(self, part: Any, group: Any) -> None:
         """A part of the sharded optimizer's new generation (:mod:`unbroken.worker.resharding`). A
-        span nobody holds any more ends the job, saying why."""
+        span nobody holds any more: every member forgets its state and the next generation goes on
+        from the newest checkpoint; without one, the job ends, saying why."""
+        job = self.job
         try:
-            part(self.job, group)
+            part(job, group)
         except resharding.ShardedStateLost as lost:
-            self.job._joiner.report_job_failure(str(lost))
-            raise JobCannotGoOn(f"the job cannot go on: {lost}") from None
+            store = job._checkpointing.store
+            if store is None or not store.steps():
+                job._joiner.report_job_failure(str(lost))
+                raise JobCannotGoOn(f"the job cannot go on: {lost}; no checkpoint to go on from (use --checkpoint-dir)") from None
+            if group.rank == 0:
+                print(f"unbroken: {lost}; the job goes on from its newest checkpoint", flush=True)
+            job._events.emit("sharded_state_lost", generation=group.number, step=job.next_step, reason=str(lost))
+            job._sharded.forget()
+            # every member holds nothing now, as a new process: the next generation's rank 0 reads the newest checkpoint
+            job.next_step, job.lineage, job._digest, job.fresh = 0, [], 0, True
+            if job._joiner.heartbeat is not None:
+                job._joiner.heartbeat.step = 0
+            raise GenerationFailed(f"generation {group.number}: {lost}") from None
 
     def _restart_afresh(self, why: str) -> None:
         """This member's state is unverified and no peer holds a live one: it must not become the

@@ -30,19 +30,13 @@ import torch
 
 from unbroken.errors import GenerationFailed
 from unbroken.worker import state_digests
+from unbroken.worker.shard_moves import ShardedStateLost, holdings_table, move
 from unbroken.worker.shard_plan import Span, buddy_shift, cover, held_spans
-from unbroken.worker.sharded_optimizer import APPLIED, READY, Holding, ShardedOptimizer
+from unbroken.worker.sharded_optimizer import APPLIED, READY, ShardedOptimizer
+
+__all__ = ["ShardedStateLost", "reshard", "roll_forward"]
 
 log = logging.getLogger("unbroken.worker.runtime")
-
-MAX_SPANS = 8
-"""Spans per parameter group a member reports holding (its plan's two, and those of a re-partition
-that failed after it received them)."""
-
-
-class ShardedStateLost(Exception):
-    """No survivor holds some span of the optimizer state at the job's step."""
-
 
 def roll_forward(job: Any, group: Any) -> None:
     """Step 1 of the module's docstring; raises :class:`GenerationFailed` if the group breaks."""
@@ -108,32 +102,17 @@ def _commit_late(job: Any, step: Any) -> None:
     step.committed = True
 
 
-def _holdings_table(sharded: ShardedOptimizer, group: Any, what: str) -> list[tuple[int, Span]]:
-    """Every member's holdings at the step each is at: [(rank, shard step, span)]."""
-    width = MAX_SPANS * max(1, len(sharded.sizes))
-    row = torch.full((2 + 3 * width,), -1, dtype=torch.int64)
-    row[0], row[1] = sharded.shard_step, len(sharded.holdings)
-    spans = [h.span for h in sharded.holdings][:width]
-    for i, span in enumerate(spans):
-        row[2 + 3 * i : 5 + 3 * i] = torch.tensor([span.group, span.start, span.end])
-    table = group.allgather_rows(row, what).tolist()
-    out = []
-    for rank, r in enumerate(table):
-        for i in range(min(int(r[1]), width)):
-            out.append((rank, int(r[0]), Span(int(r[2 + 3 * i]), int(r[3 + 3 * i]), int(r[4 + 3 * i]))))
-    return out
-
-
 def _exchange_parameters(job: Any, sharded: ShardedOptimizer, group: Any, at: int, needy: bool) -> None:
     """Give every member the parameters at step ``at`` of every span, each broadcast by a member
     that holds it at ``at``; a member that is not ``needy`` (it holds them, or is healed next)
     takes part without writing them."""
-    table = _holdings_table(sharded, group, "sharded state: who holds what")
+    table = holdings_table(sharded, group, "sharded state: who holds what")
     holders = [(rank, span) for rank, step, span in table if step == at]
     for g, size in enumerate(sharded.sizes):
         pieces = cover(Span(g, 0, size), holders, -1) if size else []
         if pieces is None:
-            _lost(job, f"no member holds the parameters of parameter group {g} at step {at}")
+            raise ShardedStateLost(f"the sharded optimizer state is lost: no member holds the parameters of parameter"
+                                   f" group {g} at step {at} (both holders of a partition died)")
         for span, src in pieces:
             buf = sharded.read(span) if src == group.rank else torch.empty(span.size, dtype=sharded.dtype(g), device=sharded.device(g))
             _broadcast(group, buf, src, "sharded state: parameters of a rolled-forward step")
@@ -153,61 +132,14 @@ def _broadcast(group: Any, tensor: torch.Tensor, src: int, what: str) -> None:
     group.wait(work, what)
 
 
-def _lost(job: Any, why: str) -> None:
-    del job
-    raise ShardedStateLost(f"the sharded optimizer state is lost: {why} (both holders of a partition died)")
-
-
-def template(sharded: ShardedOptimizer, g: int) -> list[tuple[str, bool, torch.dtype]]:
-    """The optimizer state's entries for parameter group ``g``: (name, per element?, dtype), from a
-    step of the same optimizer over one element (the receiver of a span may hold nothing yet)."""
-    face = sharded.face
-    probe = torch.nn.Parameter(torch.zeros(1, dtype=sharded.dtype(g), device=sharded.device(g)))
-    hyper = {k: v for k, v in face.param_groups[g].items() if k != "params"}
-    inner = type(face)([{**hyper, "params": [probe]}])
-    probe.grad = torch.zeros_like(probe)
-    inner.step()
-    return [(k, v.dim() > 0, v.dtype) for k, v in sorted(inner.state[probe].items()) if isinstance(v, torch.Tensor)]
-
-
 def reshard(job: Any, group: Any) -> None:
     """Step 3 of the module's docstring; raises :class:`GenerationFailed` if the group breaks."""
     sharded: ShardedOptimizer = job._sharded
     started = time.monotonic()
-    at = job.next_step
-    n, rank, shift = group.size, group.rank, buddy_shift(list(group.members))
-    table = _holdings_table(sharded, group, "sharded state: who holds what")
-    holders = [(r, span) for r, step, span in table if step == at]
+    at, n = job.next_step, group.size
+    shift = buddy_shift(list(group.members))
     wanted = {r: held_spans(sharded.sizes, n, r, shift) for r in range(n)}
-    plan: dict[int, list[tuple[Span, list[tuple[Span, int]]]]] = {}
-    for r, spans in wanted.items():
-        plan[r] = []
-        for span in spans:
-            pieces = cover(span, holders, r) if at > 0 else [(span, r)]
-            if pieces is None:
-                _lost(job, f"no member holds span {span.start}..{span.end} of parameter group {span.group} at step {at}")
-            plan[r].append((span, pieces))
-    templates = {g: template(sharded, g) for g in range(len(sharded.sizes))} if at > 0 else {}
-    works, received, moved = [], {}, 0
-    tag = 0
-    for r in range(n):
-        for span, pieces in plan[r]:
-            for piece, src in pieces:
-                tag += 1
-                if src == r or rank not in (src, r):
-                    continue
-                parts = _piece_tensors(sharded, piece, templates[piece.group], mine=src == rank)
-                for t in parts:
-                    op = group.pg.send if src == rank else group.pg.recv
-                    works.append(group._issued(op([t], r if src == rank else src, tag)))
-                    moved += t.numel() * t.element_size()
-                if r == rank:
-                    received[piece] = parts
-    job._chaos.point("reshard", at)
-    for work in works:
-        group.wait(work, "sharded state: re-partition")
-    new = [Holding(span, torch.empty(0), _assemble(sharded, span, pieces, received, templates, at))
-           for span, pieces in plan[rank]]
+    new, moved = move(sharded, group, wanted, at, "sharded state: re-partition", lambda: job._chaos.point("reshard", at))
     barrier = torch.ones(1, dtype=torch.float64, device=group.device)
     try:
         group.allreduce(barrier, "sharded state: re-partition barrier")
@@ -222,45 +154,3 @@ def reshard(job: Any, group: Any) -> None:
     sharded.shard_step = at
     job._events.emit("reshard", generation=group.number, step=at, members=n, spans=len(new), bytes_received=moved,
                      state_bytes=sharded.state_bytes(), seconds=round(time.monotonic() - started, 6))
-
-
-def _piece_tensors(sharded: ShardedOptimizer, piece: Span, entries: list[tuple[str, bool, torch.dtype]],
-                   mine: bool) -> list[torch.Tensor]:
-    """The tensors of one piece, in the template's order: views of this member's holding (to
-    send), or new memory (to receive); the scalars go as one float64 tensor."""
-    if mine:
-        source = next(h for h in sharded.holdings if h.span.group == piece.group and h.span.start <= piece.start
-                      and piece.end <= h.span.end)
-        offset = piece.start - source.span.start
-        vectors = [source.state[k][offset : offset + piece.size].contiguous() for k, vec, _ in entries if vec]
-        scalars = torch.tensor([float(source.state[k]) for k, vec, _ in entries if not vec], dtype=torch.float64)
-    else:
-        device = sharded.device(piece.group)
-        vectors = [torch.empty(piece.size, dtype=dtype, device=device) for _, vec, dtype in entries if vec]
-        scalars = torch.empty(sum(1 for _, vec, _ in entries if not vec), dtype=torch.float64)
-    return vectors + ([scalars] if scalars.numel() else [])
-
-
-def _assemble(sharded: ShardedOptimizer, span: Span, pieces: list[tuple[Span, int]], received: dict[Span, list[torch.Tensor]],
-              templates: dict[int, list[tuple[str, bool, torch.dtype]]], at: int) -> dict[str, Any]:
-    """The state of ``span`` from its pieces (this member's own holdings, or received)."""
-    if at == 0:
-        return {}
-    entries = templates[span.group]
-    columns: list[list[torch.Tensor]] = []
-    scalars: torch.Tensor | None = None
-    for piece, _ in pieces:
-        parts = received.get(piece) or _piece_tensors(sharded, piece, entries, mine=True)
-        columns.append(parts)
-        if scalars is None and sum(1 for _, vec, _ in entries if not vec):
-            scalars = parts[-1]
-    state: dict[str, Any] = {}
-    v = s = 0
-    for key, vec, dtype in entries:
-        if vec:
-            state[key] = torch.cat([parts[v] for parts in columns])
-            v += 1
-        else:
-            state[key] = torch.tensor(float(scalars[s]), dtype=dtype)
-            s += 1
-    return state

@@ -92,6 +92,9 @@ class ShardedOptimizer:
         self._group: Any = None
         self._step_index = -1
         self._chaos: Callable[[str, int], None] = lambda point, step: None
+        self._wants_save: Callable[[], bool] = lambda: False
+        self.save_due = False
+        """Set by a step's barrier: rank 0 asked for a checkpoint after this step (:mod:`unbroken.worker.sharded_saving`)."""
         self._allowed = allowed
 
         def step(closure: Any = None) -> None:  # scaler.step(face) lands here too
@@ -168,10 +171,10 @@ class ShardedOptimizer:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def arm(self, group: Any, step_index: int, chaos: Callable[[str, int], None]) -> None:
+    def arm(self, group: Any, step_index: int, chaos: Callable[[str, int], None], wants_save: Callable[[], bool]) -> None:
         """The next ``face.step()`` (from :meth:`Step.commit`, directly or through a GradScaler)
-        is step ``step_index`` of ``group``."""
-        self._group, self._step_index, self._chaos = group, step_index, chaos
+        is step ``step_index`` of ``group``; ``wants_save()`` is rank 0's wish for a checkpoint after it."""
+        self._group, self._step_index, self._chaos, self._wants_save = group, step_index, chaos, wants_save
 
     def _face_step(self, closure: Any = None) -> None:
         self._allowed()
@@ -185,11 +188,12 @@ class ShardedOptimizer:
         self._load_grads()
         what = f"step {self._step_index}: sharded optimizer"
         try:
-            barrier = torch.ones(1, dtype=torch.float64, device=group.device)
+            barrier = torch.tensor([1.0, float(self._wants_save())], dtype=torch.float64, device=group.device)
             work = group.pg.allreduce([barrier])
             group._issued(work)
             self._chaos("barrier", self._step_index)
             group.wait(work, f"{what} barrier")
+            self.save_due = bool(barrier[1] > 0)
         except GenerationFailed:
             self.pending = Pending(READY, None)
             raise

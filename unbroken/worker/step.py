@@ -365,7 +365,7 @@ class Step:
         job._committing = True  # the optimizer's step and zero_grad are this method's to call
         try:
             if job._sharded is not None:
-                job._sharded.arm(job._joiner.group, self.index, job._chaos.point)
+                job._sharded.arm(job._joiner.group, self.index, job._chaos.point, lambda: job._checkpointing.due_after(self.index))
             if job.scaler is None:
                 job.optimizer.step()
                 stepped = True
