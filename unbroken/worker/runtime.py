@@ -270,7 +270,7 @@ class Job:
         """Compare every member's parameters and buffers (:func:`verify_replicas`); False if the
         exchange failed and the generation was abandoned."""
         found = verify_replicas(self.model, self._joiner.group, self._abandon, self._events, self.member_id,
-                                self.next_step, self.generation, self._joiner.report_job_failure)
+                                self.next_step, self.generation, self._joiner.report_job_failure, self._sharded)
         if found is None:
             return False
         self.replica_hash = found
