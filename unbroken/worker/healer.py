@@ -82,8 +82,9 @@ class Healer:
         except resharding.ShardedStateLost as lost:
             store = job._checkpointing.store
             if store is None or not store.steps():
-                job._joiner.report_job_failure(str(lost))
-                raise JobCannotGoOn(f"the job cannot go on: {lost}; no checkpoint to go on from (use --checkpoint-dir)") from None
+                reason = f"{lost}; no checkpoint to go on from (use --checkpoint-dir)"
+                job._joiner.report_job_failure(reason)
+                raise JobCannotGoOn(f"the job cannot go on: {reason}") from None
             if group.rank == 0:
                 print(f"unbroken: {lost}; the job goes on from its newest checkpoint", flush=True)
             job._events.emit("sharded_state_lost", generation=group.number, step=job.next_step, reason=str(lost))

@@ -1,0 +1,122 @@
+"""--shard-optimizer: every member holds 2/N of the optimizer state, and the job survives the loss
+of members, mid-step and mid-re-partition, with the same model as one process and every sample once."""
+
+import pytest
+
+from testbed import harness
+from tests.integration.conftest import GLOBAL
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+SAME = 1e-12  # float64, relative, against one process
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return {
+        "plain": harness.single_process(str(tmp_path_factory.mktemp("single")), "--steps", str(STEPS)),
+        "scaled": harness.single_process(str(tmp_path_factory.mktemp("scaled")), "--steps", str(STEPS), "--scaler", "--token-loss"),
+    }
+
+
+def sharded_run(tmp_path, chaos, *script, launcher=(), code=0):
+    run_dir = str(tmp_path / "run")
+    run = harness.unbroken(
+        run_dir, "--nproc-per-node", "4", "--shard-optimizer", "--max-restarts", "3", "--record-samples",
+        "--chaos", chaos, *launcher,
+        harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.1", "--out", f"{run_dir}/final", *script,
+    )
+    assert run.code == code, run.stdout[-3000:] + run.stderr[-3000:]
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no worker left behind")
+    return run
+
+
+def check(run, reference, members=4):
+    """Every sample once, every commit's invariants, the single process's model on every member,
+    and every re-partition leaving each member about 2/N of the whole state."""
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    harness.check_same_model(f"{run.run_dir}/final", reference, members, tolerance=SAME)
+    whole = 2 * 146 * 8  # AdamW's two moments of the test model's 146 float64 parameters
+    for e in run.events("reshard"):
+        if e["step"] > 0:  # (no state exists before the first step)
+            share = 2 / e["members"] if e["members"] > 1 else 1
+            assert abs(e["state_bytes"] - share * whole) <= 0.1 * share * whole + 64, e
+
+
+def reshards_after(run, step):
+    return [e for e in run.events("reshard") if e["step"] >= step]
+
+
+def test_a_killed_member_is_replaced_from_the_copies_and_the_restarted_one_gets_its_parts(tmp_path, single):
+    run = sharded_run(tmp_path, "kill@step,rank=2,step=8")
+    check(run, single["plain"])
+    three = [e for e in reshards_after(run, 8) if e["members"] == 3]
+    assert len(three) == 3 and sum(e["bytes_received"] for e in three) > 0  # the survivors re-partitioned
+    back = [e for e in run.events("reshard") if e["source"].endswith(".w2.r1")]
+    assert back and back[0]["step"] > 8 and back[0]["bytes_received"] > 0  # received its parts from holders
+    assert not run.events("catch_up")  # a sharded member is healed, never replayed
+
+
+def test_the_leader_killed_mid_run(tmp_path, single):
+    run = sharded_run(tmp_path, "kill@step,rank=leader,step=7")
+    check(run, single["plain"])
+    (fault,) = run.events("fault")
+    assert fault["member"].endswith(".w0.r0")
+
+
+def test_a_member_killed_between_its_update_and_the_gather_is_rolled_forward(tmp_path, single):
+    # it applied the step and died before sending it: the survivors applied it too and finish it
+    run = sharded_run(tmp_path, "kill@gather,rank=1,step=9")
+    check(run, single["plain"])
+    rolled = run.events("roll_forward")
+    assert len(rolled) == 3 and {e["step"] for e in rolled} == {9} and {e["pending"] for e in rolled} == {"applied"}
+
+
+def test_a_member_that_missed_the_barrier_applies_its_kept_gradients_when_the_others_had_applied(tmp_path, single):
+    # fail@barrier: this member sent its part of the barrier and left before it completed; the
+    # others completed it and applied: the step is committed by all, this one from its kept gradients
+    run = sharded_run(tmp_path, "fail@barrier,rank=1,step=5", "--scaler", "--token-loss")
+    check(run, single["scaled"])
+    rolled = {e["source"].split(":")[1]: e for e in run.events("roll_forward")}
+    assert len(rolled) == 4 and rolled["vm.w1.r0"]["pending"] == "ready", rolled
+    assert {e["step"] for e in rolled.values()} == {5} and {e["of_generation"] for e in rolled.values()} == {1}
+
+
+def test_one_holder_of_each_of_two_partitions_killed_at_once(tmp_path, single):
+    # members 0 and 2 hold partitions {0, 3} and {2, 1}: together one copy of each
+    run = sharded_run(tmp_path, "kill@gather,rank=0,step=8;kill@gather,rank=2,step=8")
+    check(run, single["plain"])
+    assert sorted(e["point"] for e in run.events("fault")) == ["gather", "gather"]
+    assert {e["step"] for e in run.events("roll_forward")} == {8}
+    assert not run.events("sharded_state_lost")
+
+
+def test_a_member_killed_while_the_state_is_re_partitioned(tmp_path, single):
+    # member 1 dies; when its restart joins, member 3 dies in the middle of that re-partition
+    run = sharded_run(tmp_path, "kill@step,rank=1,step=8;kill@reshard,rank=3,step=9")
+    check(run, single["plain"])
+    (during,) = [e for e in run.events("fault") if e["point"] == "reshard"]
+    assert during["step"] >= 9
+    assert not run.events("sharded_state_lost")
+
+
+def test_both_holders_of_a_partition_lost_goes_on_from_the_newest_checkpoint(tmp_path, single):
+    # members 1 and 2 both hold partition 1: it is gone; the job goes on from step 10's checkpoint
+    checkpoints = str(tmp_path / "checkpoints")
+    run = sharded_run(tmp_path, "kill@gather,rank=1,step=12;kill@gather,rank=2,step=12",
+                      launcher=("--checkpoint-dir", checkpoints, "--checkpoint-every", "5"))
+    check(run, single["plain"])
+    lost = run.events("sharded_state_lost")
+    assert lost and "both holders of a partition died" in lost[0]["reason"]
+    assert [e["step"] for e in run.events("resume")] == [10]
+    assert "the job goes on from its newest checkpoint" in run.stdout
+
+
+def test_both_holders_lost_without_a_checkpoint_ends_the_job_saying_why(tmp_path):
+    run = sharded_run(tmp_path, "kill@gather,rank=1,step=6;kill@gather,rank=2,step=6", code=1)
+    console = run.stdout + run.stderr
+    assert "the job cannot go on: the sharded optimizer state is lost" in console
+    assert "use --checkpoint-dir" in console
+    assert "Traceback" not in console
+    assert not harness.finished_members(run.run_dir)
