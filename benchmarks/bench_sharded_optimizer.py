@@ -1,7 +1,8 @@
 """Sharded optimizer state (``--shard-optimizer``) next to plain DDP, torch's ZeroRedundancyOptimizer
 and DeepSpeed's ZeRO-1: memory, healthy step, and the stall when a member is killed (issue 47).
 
-    python benchmarks/bench_sharded_optimizer.py [--members 2,3,4] [--width 4870] [--steps 24] [--pairs 1] [--json]
+    python benchmarks/bench_sharded_optimizer.py [--members 2,3,4] [--width 4870] [--steps 24] [--pairs 1]
+        [--torchrun-malloc default|tuned] [--json]
 
 For each member count, one run of each system per pair, interleaved (``benchmarks/train_bench.py``:
 the same MLP, about 25 M parameters at the default width, AdamW, the same samples per step): the
@@ -32,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from benchmarks.bench_foundation import SCRIPT, _run, _step_seconds  # noqa: E402
-from benchmarks.common import save_results  # noqa: E402
+from benchmarks.common import save_results, torchrun_malloc_env  # noqa: E402
 
 SYSTEMS = ("ddp", "zero", "deepspeed", "sharded")
 
@@ -49,8 +50,10 @@ def _command(system: str, members: int, width: int, steps: int, run_dir: str, ch
             "--run-dir", run_dir, *extra, *script]
 
 
-def _healthy(system: str, members: int, width: int, steps: int, tmp: str, index: int) -> dict[str, float]:
-    out = _run(_command(system, members, width, steps, os.path.join(tmp, f"{system}{members}-{index}")), 1800, tmp)
+def _healthy(system: str, members: int, width: int, steps: int, tmp: str, index: int,
+             malloc: dict[str, str] | None = None) -> dict[str, float]:
+    env = malloc if system in ("ddp", "zero", "deepspeed") else None
+    out = _run(_command(system, members, width, steps, os.path.join(tmp, f"{system}{members}-{index}")), 1800, tmp, env)
     return {"step_s": _step_seconds(out), "bytes": max(int(v) for v in re.findall(r"OPTIMIZER_BYTES (\d+)", out))}
 
 
@@ -100,6 +103,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=4870, help="MLP width (default 4870: about 25 M parameters)")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--pairs", type=int, default=1)
+    parser.add_argument("--torchrun-malloc", choices=["default", "tuned"], default="default",
+                        help="tuned: torchrun's workers get glibc's malloc thresholds as unbroken's workers set them (tune_malloc)")
     parser.add_argument("--json", action="store_true", help="print one line: a JSON object of the headline figures")
     args = parser.parse_args()
     counts = [int(m) for m in args.members.split(",")]
@@ -109,7 +114,8 @@ def main() -> int:
         for index in range(args.pairs):
             for m in counts:
                 for system in systems:
-                    rows[m][system].append(_healthy(system, m, args.width, args.steps, tmp, index))
+                    rows[m][system].append(_healthy(system, m, args.width, args.steps, tmp, index,
+                                                    torchrun_malloc_env(args.torchrun_malloc)))
         top = max(counts)
         stalls = {s: _stall(s, top, args.width, max(args.steps, 24), tmp) for s in ("plain", "sharded")}
         same = _same_model(tmp)

@@ -35,10 +35,15 @@ from typing import Any, Callable
 import torch
 
 from unbroken.errors import ConfigError, GenerationFailed
-from unbroken.worker.shard_plan import Span
+from unbroken.worker.shard_plan import Span, chunk
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta")
 """torch.optim's optimizers whose update of an element reads only that element's gradient and state."""
+
+GATHER_BYTES = 16 << 20
+"""The gather's staging buffer, all members' parts of one round together: a step's gather moves the
+parameters in rounds of this size instead of allocating (and faulting in) a buffer the size of the
+model every step."""
 
 READY, APPLIED = 1, 2
 """Kinds of :class:`Pending`: reduced gradients kept (the barrier failed here), or the step applied
@@ -96,6 +101,7 @@ class ShardedOptimizer:
         self.save_due = False
         """Set by a step's barrier: rank 0 asked for a checkpoint after this step (:mod:`unbroken.worker.sharded_saving`)."""
         self._allowed = allowed
+        self._stages: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
         def step(closure: Any = None) -> None:  # scaler.step(face) lands here too
             face._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler checks, as its own wrapper does
@@ -220,32 +226,47 @@ class ShardedOptimizer:
         self.shard_step += 1
         for h in self.holdings:
             self.write(h.span, h.master.detach())
-            h.master.grad = None
 
     def gather(self, group: Any, what: str) -> None:
-        """Every member sends the partition it owns; write the others' into the parameters."""
-        from unbroken.worker.shard_plan import chunk, partition_spans
-
+        """Every member sends the partition it owns, in rounds of at most :data:`GATHER_BYTES` over all
+        members through one staging buffer kept from step to step; write the others' into the parameters."""
         n, rank = group.size, group.rank
         for g, size in enumerate(self.sizes):
             width = chunk(size, n)
             if not width:
                 continue
-            mine = partition_spans([size if i == g else 0 for i in range(len(self.sizes))], n, rank)
-            send = torch.zeros(width, dtype=self.dtype(g), device=self.device(g))
-            if mine:
-                self.read(mine[0], into=send[: mine[0].size])
-            out = torch.empty(width * n, dtype=send.dtype, device=send.device)
-            try:
-                work = group._issued(group.pg._allgather_base(out, send))
-            except Exception as exc:
-                raise GenerationFailed(f"generation {group.number}: {what} gather failed to start: {exc}") from None
-            group.wait(work, f"{what} gather")
-            held = {(h.span.start, h.span.end) for h in self.holdings if h.span.group == g}
-            for k in range(n):
-                span = Span(g, min(size, k * width), min(size, (k + 1) * width))
-                if span.size and (span.start, span.end) not in held:
-                    self.write(span, out[k * width : k * width + span.size])
+            dtype, device = self.dtype(g), self.device(g)
+            rows = max(1, GATHER_BYTES // (n * torch.empty((), dtype=dtype).element_size()))
+            stage = self._staging(dtype, device, n * min(rows, width))
+            own = Span(g, min(size, rank * width), min(size, (rank + 1) * width))
+            master = next((h.master.detach() for h in self.holdings if h.span == own), None) if own.size else None
+            held = {h.span for h in self.holdings}
+            for at in range(0, width, rows):
+                b = min(rows, width - at)
+                if master is not None and at + b <= own.size:
+                    send = master[at : at + b]
+                else:  # the short end of the last partition (or none at all): padded
+                    send = torch.zeros(b, dtype=dtype, device=device)
+                    if master is not None and at < own.size:
+                        send[: own.size - at] = master[at:]
+                out = stage[: n * b]
+                try:
+                    work = group._issued(group.pg._allgather_base(out, send))
+                except Exception as exc:
+                    raise GenerationFailed(f"generation {group.number}: {what} gather failed to start: {exc}") from None
+                group.wait(work, f"{what} gather")
+                for k in range(n):
+                    part = Span(g, min(size, k * width), min(size, (k + 1) * width))
+                    piece = Span(g, min(part.end, part.start + at), min(part.end, part.start + at + b))
+                    if piece.size and part not in held:
+                        self.write(piece, out[k * b : k * b + piece.size])
+
+    def _staging(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        key = (dtype, device)
+        stage = self._stages.get(key)
+        if stage is None or stage.numel() < numel:
+            stage = self._stages[key] = torch.empty(numel, dtype=dtype, device=device)
+        return stage
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
