@@ -137,7 +137,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(headline))
         return 0
-    print(f"| members | system | optimizer state per member (MB) | vs DDP | healthy step (s) | vs DDP |\n|---|---|---|---|---|---|")
+    print("| members | system | optimizer state per member (MB) | vs DDP | healthy step (s) | vs DDP |\n|---|---|---|---|---|---|")
     for m in counts:
         for s in SYSTEMS:
             if s not in table[m]:
