@@ -107,8 +107,8 @@ def explain_init_process_group() -> None:
 ZERO_HINT = ("ZeroRedundancyOptimizer under `unbroken run`: it keeps each part of the optimizer state on one rank"
              " only, and that part dies with its rank, where unbroken could not heal it; every member keeps the whole"
              " optimizer state instead. Pass the optimizer it wraps (for example torch.optim.AdamW(model.parameters(),"
-             " lr=...)); for less memory per process, shard inside a replica group (docs/guide/replica-groups.md,"
-             " docs/limits.md)")
+             " lr=...) and run with --shard-optimizer: unbroken then shards its state with every part held by two"
+             " members (docs/guide/sharded-optimizer.md)")
 ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
 
 

@@ -28,7 +28,7 @@ KINDS = (
     "heal", "step", "replicas", "finished", "job_failed", "fault", "checkpoint", "checkpoint_interval", "resume",
     "checkpoint_skipped", "refused", "leader", "leader_lost",
     "quarantine", "quarantine_end", "shutdown", "coordinator_stall", "state_lost", "straggler", "straggler_sustained", "rebalanced", "evicted",
-    "donation", "catch_up", "catch_up_off", "stop_requested",
+    "donation", "catch_up", "catch_up_off", "stop_requested", "reshard", "roll_forward", "sharded_state_lost",
 )
 
 

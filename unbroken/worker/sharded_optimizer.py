@@ -181,6 +181,7 @@ class ShardedOptimizer:
         """The next ``face.step()`` (from :meth:`Step.commit`, directly or through a GradScaler)
         is step ``step_index`` of ``group``; ``wants_save()`` is rank 0's wish for a checkpoint after it."""
         self._group, self._step_index, self._chaos, self._wants_save = group, step_index, chaos, wants_save
+        self.save_due = False  # a step that failed after its barrier said so saves nothing: the members differ
 
     def _face_step(self, closure: Any = None) -> None:
         self._allowed()
