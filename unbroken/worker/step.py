@@ -375,6 +375,8 @@ class Step:
                 job.scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
         except GenerationFailed as exc:  # the sharded optimizer's barrier or gather: the next generation decides
+            if job._sharded is None or job._sharded.pending is None:
+                raise
             self.failed, self.error, job._sharded.pending.step = True, exc.with_traceback(None), self
             job.optimizer.zero_grad(set_to_none=True)
             return False

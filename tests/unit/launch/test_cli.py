@@ -24,6 +24,7 @@ RUN_FLAGS = [
     ["--quarantine-cooloff", "--quarantine_cooloff"],
     ["--run-dir", "--run_dir"],
     ["--stragglers"],
+    ["--shard-optimizer", "--shard_optimizer"],
     ["--backend"],
     ["--coordinator"],
     ["--rdzv-endpoint", "--rdzv_endpoint"],

@@ -139,3 +139,16 @@ def test_what_cannot_be_sharded_is_refused_by_name_with_what_to_do():
     with pytest.raises(ConfigError, match="already holds state"):
         refuse_unshardable(stepped)
     refuse_unshardable(torch.optim.Adagrad(params))  # Adagrad makes its state when built: allowed
+
+
+def test_a_single_process_is_the_unsharded_reference_and_replica_groups_are_refused():
+    from unbroken.worker import job_setup
+    from unbroken.worker.runtime_settings import RuntimeSettings
+
+    settings = RuntimeSettings(shard_optimizer=True)
+    optimizer = torch.optim.AdamW(_model().parameters())
+    assert job_setup.sharded_optimizer(settings, False, None, optimizer, None) is None  # alone: the whole state
+    with pytest.raises(ConfigError, match="cannot be combined with replica groups"):
+        job_setup.sharded_optimizer(settings, True, object(), optimizer, None)
+    assert job_setup.sharded_optimizer(RuntimeSettings(), True, None, optimizer, None) is None  # off by default
+    assert isinstance(job_setup.sharded_optimizer(settings, True, None, optimizer, None), ShardedOptimizer)
