@@ -120,3 +120,19 @@ def test_both_holders_lost_without_a_checkpoint_ends_the_job_saying_why(tmp_path
     assert "use --checkpoint-dir" in console
     assert "Traceback" not in console
     assert not harness.finished_members(run.run_dir)
+
+
+def test_a_member_stopped_between_its_update_and_the_gather_wakes_behind_and_is_healed_whole(tmp_path, single):
+    # SIGSTOPped after applying step 8 (its barrier completed): declared dead by its heartbeat, the
+    # others roll step 8 forward without it; when it wakes, its half-applied step is of a generation
+    # gone by: it forgets its state (never a source) and is healed like a new process
+    run = sharded_run(tmp_path, "hang@gather,rank=2,step=8,for=5", "--step-delay", "0.25",
+                      launcher=("--heartbeat-interval", "0.25", "--heartbeat-timeout", "2"))
+    check(run, single["plain"])
+    (fault,) = run.events("fault")
+    victim = fault["member"]
+    verdict = next(e for e in run.events("verdict") if e["member"] == victim)
+    rolled = run.events("roll_forward")
+    assert {e["source"].split(":")[1] for e in rolled} == {"vm.w0.r0", "vm.w1.r0", "vm.w3.r0"}, rolled
+    assert any(victim in e["receivers"] and e["t"] > verdict["t"] for e in run.events("heal"))
+    assert {w["local_rank"]: w for w in run.summary()["workers"]}[2]["restarts"] == 0

@@ -268,14 +268,14 @@ class Checkpointing:
             return True
         try:
             with job._joiner.busy("checkpoint write"):
-                self.saver.wait()
                 held = None
-                if self.schedule is not None and job._sharded is not None:
+                if self.schedule is not None and job._sharded is not None:  # before any wait: the others are in it
                     from unbroken.worker import sharded_saving
 
                     held = sharded_saving.collect(job._sharded, job._joiner.group, job.next_step)
                     if job.member_index == 0:
                         sharded_saving.install(job._sharded, held)
+                self.saver.wait()
                 if self.schedule is not None and job.member_index == 0:
                     try:
                         self.save(final=True)

@@ -55,6 +55,12 @@ class Healer:
             else:
                 group.wait_flag("resume-read", "waiting for a checkpoint to be read")
             statuses = self._exchange_status(group)
+            if job._sharded is not None and job._sharded.must_resume:
+                if all(fresh for _, fresh, _ in statuses):  # never train on from step 0 with the trained weights
+                    job._joiner.report_job_failure("the sharded optimizer state was lost and no valid checkpoint could be read")
+                    raise JobCannotGoOn("the job cannot go on: the sharded optimizer state was lost and no valid"
+                                        f" checkpoint could be read from {job.checkpoint.directory}")
+                job._sharded.must_resume = False
         plan = heal_plan.plan(statuses)
         if job._unverified is not None and job.fresh and plan.source == group.rank:
             self._restart_afresh(job._unverified)
@@ -88,11 +94,8 @@ class Healer:
             if group.rank == 0:
                 print(f"unbroken: {lost}; the job goes on from its newest checkpoint", flush=True)
             job._events.emit("sharded_state_lost", generation=group.number, step=job.next_step, reason=str(lost))
-            job._sharded.forget()
-            # every member holds nothing now, as a new process: the next generation's rank 0 reads the newest checkpoint
-            job.next_step, job.lineage, job._digest, job.fresh = 0, [], 0, True
-            if job._joiner.heartbeat is not None:
-                job._joiner.heartbeat.step = 0
+            resharding.forget_progress(job)  # every member: the next generation's rank 0 reads the newest checkpoint
+            job._sharded.must_resume = True
             raise GenerationFailed(f"generation {group.number}: {lost}") from None
 
     def _restart_afresh(self, why: str) -> None:

@@ -32,9 +32,9 @@ from unbroken.errors import GenerationFailed
 from unbroken.worker import state_digests
 from unbroken.worker.shard_moves import ShardedStateLost, holdings_table, move
 from unbroken.worker.shard_plan import Span, buddy_shift, cover, held_spans
-from unbroken.worker.sharded_optimizer import APPLIED, READY, ShardedOptimizer
+from unbroken.worker.sharded_optimizer import APPLIED, READY, Pending, ShardedOptimizer
 
-__all__ = ["ShardedStateLost", "reshard", "roll_forward"]
+__all__ = ["ShardedStateLost", "forget_progress", "reshard", "roll_forward"]
 
 log = logging.getLogger("unbroken.worker.runtime")
 
@@ -51,9 +51,14 @@ def roll_forward(job: Any, group: Any) -> None:
     if not pending:
         return
     step, made_in_ref, expected_ref = max((r[0], r[4], r[5]) for r in pending)
-    if mine is not None and (job.next_step, made_in) != (step, made_in_ref):
-        _drop_stale(job, sharded)  # from an older generation: healed like any member behind
+    # the job went on without this step (some member is past it, or at s+1 by another history):
+    # every pending member is of a generation gone by
+    gone = any(not r[1] and (r[0] > step + 1 or (r[0] == step + 1 and r[2] != expected_ref)) for r in rows)
+    if mine is not None and (gone or (job.next_step, made_in) != (step, made_in_ref)):
+        _drop_stale(job, sharded)  # healed like any member behind
         mine = None
+    if gone:
+        return
     ref = [r for r in pending if (r[0], r[4]) == (step, made_in_ref)]
     rolled = any(r[3] == APPLIED for r in ref) or any(
         r[0] == step + 1 and not r[1] and r[2] == expected_ref for r in rows)
@@ -64,17 +69,32 @@ def roll_forward(job: Any, group: Any) -> None:
         return
     if mine is not None and mine.kind == READY:
         sharded.apply()  # the gradients it kept: the step every holder applied
+        sharded.pending = mine = Pending(APPLIED, mine.step, was=READY)  # never applied twice, whatever fails next
     _exchange_parameters(job, sharded, group, step + 1, needy=mine is not None)
     if mine is not None:
         sharded.pending = None
         _commit_late(job, mine.step)
         job._events.emit("roll_forward", generation=group.number, step=step, of_generation=made_in_ref,
-                         pending="ready" if mine.kind == READY else "applied")
+                         pending="ready" if mine.was == READY else "applied")
 
 
 def _drop_stale(job: Any, sharded: ShardedOptimizer) -> None:
-    job.fresh = True  # healed whole: its parameters may be half of a step nobody else took
+    """A pending step of an older generation: the others went on without it. One it had applied
+    left its parameters half a step ahead, which no one can finish or undo: it holds nothing of
+    value any more, as a new process (never a heal's source, whoever else is left)."""
+    applied = sharded.pending is not None and sharded.pending.kind == APPLIED
     _drop(sharded)
+    if applied:
+        forget_progress(job)
+    job.fresh = True  # healed whole
+
+
+def forget_progress(job: Any) -> None:
+    """This member holds no state of value: no step, no lineage, no optimizer state, as a new process."""
+    job._sharded.forget()
+    job.next_step, job.lineage, job._digest, job.fresh = 0, [], 0, True
+    if job._joiner.heartbeat is not None:
+        job._joiner.heartbeat.step = 0
 
 
 def _drop(sharded: ShardedOptimizer) -> None:
@@ -145,7 +165,8 @@ def reshard(job: Any, group: Any) -> None:
         group.allreduce(barrier, "sharded state: re-partition barrier")
     except GenerationFailed:
         # keep every copy at the job's step: what it held (if at this step) and what it received
-        kept = sharded.holdings if sharded.shard_step == at else []
+        kept = [h for h in sharded.holdings if not any(n.span.group == h.span.group and n.span.start <= h.span.start
+                                                        and h.span.end <= n.span.end for n in new)] if sharded.shard_step == at else []
         sharded.holdings, sharded.shard_step = kept + new, at
         for h in new:
             h.master = sharded.read(h.span)

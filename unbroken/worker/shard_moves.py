@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from unbroken.errors import GenerationFailed
 from unbroken.worker.shard_plan import Span, cover
 from unbroken.worker.sharded_optimizer import Holding, ShardedOptimizer
 
@@ -32,9 +33,10 @@ class ShardedStateLost(Exception):
 
 def holdings_table(sharded: ShardedOptimizer, group: Any, what: str) -> list[tuple[int, int, Span]]:
     """Every member's holdings, with the step its state is at: [(rank, step, span)]."""
-    width = MAX_SPANS * max(1, len(sharded.sizes))
+    counts = group.allgather_rows(torch.tensor([len(sharded.holdings)], dtype=torch.int64), what)
+    width = max(MAX_SPANS * max(1, len(sharded.sizes)), int(counts.max()))
     row = torch.full((2 + 3 * width,), -1, dtype=torch.int64)
-    spans = [h.span for h in sharded.holdings][:width]
+    spans = [h.span for h in sharded.holdings]
     row[0], row[1] = sharded.shard_step, len(spans)
     for i, span in enumerate(spans):
         row[2 + 3 * i : 5 + 3 * i] = torch.tensor([span.group, span.start, span.end])
@@ -75,8 +77,8 @@ def move(sharded: ShardedOptimizer, group: Any, wanted: dict[int, list[Span]], a
                 raise ShardedStateLost(f"the sharded optimizer state is lost: no member holds elements {span.start}..{span.end}"
                                        f" of parameter group {span.group} at step {at} (both holders of a partition died)")
             plan[r].append((span, pieces))
-    entries = {g: template(sharded, g) for g in range(len(sharded.sizes))} if at > 0 else {}
-    works, received, moved, tag = [], {}, 0, 0
+    entries = {g: template(sharded, g) for g, size in enumerate(sharded.sizes) if size} if at > 0 else {}
+    works, received, landing, moved, tag = [], {}, [], 0, 0
     for r, spans in plan.items():
         for _, pieces in spans:
             for piece, src in pieces:
@@ -85,8 +87,14 @@ def move(sharded: ShardedOptimizer, group: Any, wanted: dict[int, list[Span]], a
                     continue
                 parts = _piece_tensors(sharded, piece, entries[piece.group], mine=src == rank)
                 for i, t in enumerate(parts):
+                    wire = group.staged(t.contiguous(), sending=src == rank)  # on the group's device (Gloo: CPU, NCCL: its GPU)
                     op = group.pg.send if src == rank else group.pg.recv
-                    works.append(group._issued(op([t], r if src == rank else src, tag + i)))
+                    try:
+                        works.append(group._issued(op([wire], r if src == rank else src, tag + i)))
+                    except Exception as exc:
+                        raise GenerationFailed(f"generation {group.number}: {what} failed to start: {exc}") from None
+                    if wire is not t and src != rank:
+                        landing.append((wire, t))
                     moved += t.numel() * t.element_size() if r == rank else 0
                 tag += 16
                 if r == rank:
@@ -94,6 +102,8 @@ def move(sharded: ShardedOptimizer, group: Any, wanted: dict[int, list[Span]], a
     chaos()
     for work in works:
         group.wait(work, what)
+    for wire, t in landing:
+        t.copy_(wire)
     mine = [Holding(span, torch.empty(0), _assemble(sharded, pieces, received, entries.get(span.group, [])) if at else {})
             for span, pieces in plan.get(rank, [])]
     return mine, moved
@@ -118,7 +128,8 @@ def _piece_tensors(sharded: ShardedOptimizer, piece: Span, entries: Entries, min
 def _assemble(sharded: ShardedOptimizer, pieces: list[tuple[Span, int]], received: dict[Span, list[torch.Tensor]],
               entries: Entries) -> dict[str, Any]:
     """The state of one span from its pieces (this member's own holdings, or received)."""
-    columns = [received.get(piece) or _piece_tensors(sharded, piece, entries, mine=True) for piece, _ in pieces]
+    span_group = pieces[0][0].group
+    columns = [received[piece] if piece in received else _piece_tensors(sharded, piece, entries, mine=True) for piece, _ in pieces]
     state: dict[str, Any] = {}
     v = s = 0
     for key, per_element, dtype in entries:
@@ -126,6 +137,6 @@ def _assemble(sharded: ShardedOptimizer, pieces: list[tuple[Span, int]], receive
             state[key] = torch.cat([parts[v] for parts in columns])
             v += 1
         else:
-            state[key] = torch.tensor(float(columns[0][-1][s]), dtype=dtype)
+            state[key] = torch.tensor(float(columns[0][-1][s]), dtype=dtype, device=sharded.device(span_group))
             s += 1
     return state

@@ -67,6 +67,11 @@ class Pending:
     kind: int
     step: Any
     """The :class:`~unbroken.worker.step.Step`, committed later if the next generation rolls forward."""
+    was: int = 0
+    """The kind it had when the step failed (a ``READY`` member that applied in a roll-forward is ``APPLIED``)."""
+
+    def __post_init__(self) -> None:
+        self.was = self.was or self.kind
 
 
 class ShardedOptimizer:
@@ -80,11 +85,13 @@ class ShardedOptimizer:
     def __init__(self, face: torch.optim.Optimizer, allowed: Callable[[], None]) -> None:
         refuse_unshardable(face)
         self.face = face
+        face.state.clear()  # (Adagrad makes its state when built: the inner optimizers make theirs)
         self.layout: list[list[tuple[torch.Tensor, int]]] = []
-        """Per parameter group: each parameter with its offset in the group's flat vector."""
+        """Per parameter group: each parameter that requires a gradient (torch.optim never steps the
+        others) with its offset in the group's flat vector."""
         for group in face.param_groups:
             offset, entries = 0, []
-            for p in group["params"]:
+            for p in (p for p in group["params"] if p.requires_grad):
                 entries.append((p, offset))
                 offset += p.numel()
             self.layout.append(entries)
@@ -93,6 +100,8 @@ class ShardedOptimizer:
         self.shard_step = 0
         """The step the held spans' state is at: the number of updates applied to it."""
         self.pending: Pending | None = None
+        self.must_resume = False
+        """Set when the state was lost: the next generation must go on from a checkpoint, or not at all."""
         self.inner: torch.optim.Optimizer | None = None
         self._group: Any = None
         self._step_index = -1
@@ -196,8 +205,10 @@ class ShardedOptimizer:
         what = f"step {self._step_index}: sharded optimizer"
         try:
             barrier = torch.tensor([1.0, float(self._wants_save())], dtype=torch.float64, device=group.device)
-            work = group.pg.allreduce([barrier])
-            group._issued(work)
+            try:
+                work = group._issued(group.pg.allreduce([barrier]))
+            except Exception as exc:
+                raise GenerationFailed(f"generation {group.number}: {what} barrier failed to start: {exc}") from None
             self._chaos("barrier", self._step_index)
             group.wait(work, f"{what} barrier")
             self.save_due = bool(barrier[1] > 0)
@@ -213,6 +224,12 @@ class ShardedOptimizer:
             raise
 
     def _load_grads(self) -> None:
+        missing = [i for entries in self.layout for i, (p, _) in enumerate(entries) if p.grad is None]
+        if missing:  # the same on every member: the reduced gradients are
+            raise ConfigError(
+                f"shard_optimizer: {len(missing)} parameter(s) of the optimizer got no gradient in this step (unused in"
+                " the forward pass); torch.optim would skip them, which a shared slice of state cannot: give the"
+                " optimizer only the parameters the loss uses (or freeze the others with requires_grad_(False))")
         for h in self.holdings:
             if h.master.grad is None:
                 h.master.grad = torch.empty_like(h.master)

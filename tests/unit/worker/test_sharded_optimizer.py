@@ -152,3 +152,64 @@ def test_a_single_process_is_the_unsharded_reference_and_replica_groups_are_refu
         job_setup.sharded_optimizer(settings, True, object(), optimizer, None)
     assert job_setup.sharded_optimizer(RuntimeSettings(), True, None, optimizer, None) is None  # off by default
     assert isinstance(job_setup.sharded_optimizer(settings, True, None, optimizer, None), ShardedOptimizer)
+
+
+class _Alone:
+    """A generation of one member, for moving state without a peer (shard_moves.move)."""
+
+    size, rank, number, members, device = 1, 0, 1, ["a.w0.r0"], torch.device("cpu")
+
+    def allgather_rows(self, row, what):
+        return row.unsqueeze(0)
+
+    def staged(self, tensor, sending):
+        return tensor
+
+
+@pytest.mark.parametrize("kind, options", [(torch.optim.SGD, {}), (torch.optim.AdamW, {})])
+def test_a_move_assembles_spans_from_held_pieces_for_stateless_optimizers_and_empty_groups(kind, options):
+    from unbroken.worker.shard_moves import move
+
+    model = _model()
+    groups = _groups(model) + [{"params": [], "weight_decay": 0.0}]  # torch accepts an empty group
+    face = kind(groups, lr=0.01, **options)
+    sharded = ShardedOptimizer(face, lambda: None)
+    assert sharded.sizes[-1] == 0
+    sharded.hold([Holding(span, torch.empty(0)) for k in range(3) for span in partition_spans(sharded.sizes, 3, k)])
+    _grads(model, 0)
+    face.step()  # SGD without momentum keeps no state at all
+    new, moved = move(sharded, _Alone(), {0: sharded_saving.whole(sharded)}, 1, "test")
+    assert moved == 0 and [h.span.size for h in new] == [s for s in sharded.sizes if s]
+    if kind is torch.optim.SGD:  # a piece received from a peer holds no tensors at all
+        from unbroken.worker.shard_moves import _assemble
+
+        piece = sharded.holdings[-1].span
+        assert _assemble(sharded, [(piece, 1)], {piece: []}, []) == {}
+    for h in new:
+        parts = [x for x in sharded.holdings if x.span.group == h.span.group]
+        assert h.state.keys() == parts[0].state.keys()
+        for key, value in h.state.items():
+            expected = torch.cat([x.state[key] for x in parts]) if value.dim() else parts[0].state[key]
+            torch.testing.assert_close(value, expected, rtol=0, atol=0)
+
+
+def test_frozen_parameters_are_left_out_and_a_parameter_without_a_gradient_is_refused_by_every_member():
+    plain_model, sharded_model = _model(), _model()
+    for model in (plain_model, sharded_model):
+        model[0].bias.requires_grad_(False)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=0.01)
+    face = torch.optim.AdamW(sharded_model.parameters(), lr=0.01)
+    sharded = ShardedOptimizer(face, lambda: None)
+    assert sum(sharded.sizes) == sum(p.numel() for p in sharded_model.parameters() if p.requires_grad)
+    sharded.hold([Holding(span, torch.empty(0)) for span in partition_spans(sharded.sizes, 1, 0)])
+    for step in range(3):
+        for model in (plain_model, sharded_model):
+            _grads(model, step)
+            model[0].bias.grad = None
+        plain.step()
+        face.step()
+    for a, b in zip(plain_model.parameters(), sharded_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=0)
+    sharded_model[2].bias.grad = None  # unused in the forward pass this step: torch would skip it
+    with pytest.raises(ConfigError, match="1 parameter\\(s\\) of the optimizer got no gradient"):
+        face.step()
