@@ -70,9 +70,12 @@ def _stall(system: str, members: int, width: int, steps: int, tmp: str) -> dict[
     (fault,) = [e for e in ev if e["kind"] == "fault"]
     victim = fault["member"]
     healthy = statistics.median(e["seconds"] for e in ev if e["kind"] == "step" and e["t"] < fault["t"] and e["step"] > 1)
-    after = [e for e in ev if e["kind"] == "generation" and e["t"] > fault["t"] and victim not in e["members"]]
-    first = min(e["t"] for e in ev if e["kind"] == "step" and e["generation"] == after[0]["generation"])
-    moved = [e for e in ev if e["kind"] == "reshard" and after[0]["generation"] == e["generation"]]
+    before = max(e["generation"] for e in ev if e["kind"] == "generation" and e["t"] < fault["t"])
+    # the survivors' first commit in a later generation (the killed member's restart may be in it already)
+    first_step = min((e for e in ev if e["kind"] == "step" and e["t"] > fault["t"] and e["generation"] > before), key=lambda e: e["t"])
+    first = first_step["t"]
+    moved = [e for e in ev if e["kind"] == "reshard" and e["t"] > fault["t"] and e["generation"] <= first_step["generation"]
+             and not e["source"].endswith(victim)]
     heals = [e for e in ev if e["kind"] == "heal" and e["t"] > fault["t"]]
     return {"stall_s": first - fault["t"] - healthy, "healthy_step_s": healthy,
             "reshard_bytes": sum(e["bytes_received"] for e in moved), "reshard_s": max((e["seconds"] for e in moved), default=0.0),
@@ -116,13 +119,14 @@ def main() -> int:
                 for system in systems:
                     rows[m][system].append(_healthy(system, m, args.width, args.steps, tmp, index,
                                                     torchrun_malloc_env(args.torchrun_malloc)))
+        table = {m: {s: {"step_s": statistics.median(r["step_s"] for r in runs), "bytes": max(r["bytes"] for r in runs),
+                         "vs_ddp": statistics.median(r["step_s"] / d["step_s"] for r, d in zip(runs, rows[m]["ddp"]))}
+                     for s, runs in by.items()} for m, by in rows.items()}
+        path = os.path.join(HERE, "results", "sharded_optimizer.json")
+        save_results(path, {"args": vars(args), "table": table, "runs": rows})  # kept if what follows fails
         top = max(counts)
         stalls = {s: _stall(s, top, args.width, max(args.steps, 24), tmp) for s in ("plain", "sharded")}
         same = _same_model(tmp)
-    table = {m: {s: {"step_s": statistics.median(r["step_s"] for r in runs), "bytes": max(r["bytes"] for r in runs),
-                     "vs_ddp": statistics.median(r["step_s"] / d["step_s"] for r, d in zip(runs, rows[m]["ddp"]))}
-                 for s, runs in by.items()} for m, by in rows.items()}
-    top = max(counts)
     headline = {
         "members": top,
         "optimizer_bytes_vs_ddp": table[top]["sharded"]["bytes"] / table[top]["ddp"]["bytes"],
@@ -132,7 +136,7 @@ def main() -> int:
         "plain_stall_after_kill_s": stalls["plain"]["stall_s"],
         "same_model": same < 1e-12,
     }
-    save_results(os.path.join(HERE, "results", "sharded_optimizer.json"), {"args": vars(args), "table": table, "stalls": stalls, "same_model_difference": same,
+    save_results(path, {"args": vars(args), "table": table, "runs": rows, "stalls": stalls, "same_model_difference": same,
                                        "deepspeed": "deepspeed" in systems, **headline})
     if args.json:
         print(json.dumps(headline))
