@@ -2,7 +2,7 @@
 and DeepSpeed's ZeRO-1: memory, healthy step, and the stall when a member is killed (issue 47).
 
     python benchmarks/bench_sharded_optimizer.py [--members 2,3,4] [--width 4870] [--steps 24] [--pairs 1]
-        [--torchrun-malloc default|tuned] [--json]
+        [--torchrun-malloc default|tuned] [--out PATH] [--json]
 
 For each member count, one run of each system per pair, interleaved (``benchmarks/train_bench.py``:
 the same MLP, about 25 M parameters at the default width, AdamW, the same samples per step): the
@@ -108,6 +108,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--torchrun-malloc", choices=["default", "tuned"], default="default",
                         help="tuned: torchrun's workers get glibc's malloc thresholds as unbroken's workers set them (tune_malloc)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "sharded_optimizer.json"), help="where the figures go")
     parser.add_argument("--json", action="store_true", help="print one line: a JSON object of the headline figures")
     args = parser.parse_args()
     counts = [int(m) for m in args.members.split(",")]
@@ -122,7 +123,7 @@ def main() -> int:
         table = {m: {s: {"step_s": statistics.median(r["step_s"] for r in runs), "bytes": max(r["bytes"] for r in runs),
                          "vs_ddp": statistics.median(r["step_s"] / d["step_s"] for r, d in zip(runs, rows[m]["ddp"]))}
                      for s, runs in by.items()} for m, by in rows.items()}
-        path = os.path.join(HERE, "results", "sharded_optimizer.json")
+        path = args.out
         save_results(path, {"args": vars(args), "table": table, "runs": rows})  # kept if what follows fails
         top = max(counts)
         stalls = {s: _stall(s, top, args.width, max(args.steps, 24), tmp) for s in ("plain", "sharded")}
