@@ -84,8 +84,6 @@ def _stall(system: str, members: int, width: int, steps: int, tmp: str) -> dict[
 
 def _same_model(tmp: str) -> float:
     """The float64 test script, a member killed between its update and the gather, against one process."""
-    import torch
-
     from testbed import harness
 
     single = harness.single_process(os.path.join(tmp, "single"), "--steps", "24")
@@ -96,7 +94,6 @@ def _same_model(tmp: str) -> float:
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     finals = harness.final_params(os.path.join(run_dir, "final"))
     assert len(finals) == 4, finals.keys()
-    del torch
     return max(harness.max_relative_difference(p, single) for p in finals.values())
 
 

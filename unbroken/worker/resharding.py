@@ -32,7 +32,7 @@ from unbroken.errors import GenerationFailed
 from unbroken.worker import state_digests
 from unbroken.worker.shard_moves import ShardedStateLost, holdings_table, move
 from unbroken.worker.shard_plan import Span, buddy_shift, cover, held_spans
-from unbroken.worker.sharded_optimizer import APPLIED, READY, Pending, ShardedOptimizer
+from unbroken.worker.sharded_optimizer import APPLIED, READY, Pending, ShardedOptimizer, issue
 
 __all__ = ["ShardedStateLost", "forget_progress", "reshard", "roll_forward"]
 
@@ -145,11 +145,7 @@ def _broadcast(group: Any, tensor: torch.Tensor, src: int, what: str) -> None:
 
     options = dist.BroadcastOptions()
     options.rootRank = src
-    try:
-        work = group._issued(group.pg.broadcast([tensor], options))
-    except Exception as exc:
-        raise GenerationFailed(f"generation {group.number}: {what} failed to start: {exc}") from None
-    group.wait(work, what)
+    group.wait(issue(group, lambda: group.pg.broadcast([tensor], options), what), what)
 
 
 def reshard(job: Any, group: Any) -> None:

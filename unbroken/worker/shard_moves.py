@@ -16,9 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.errors import GenerationFailed
 from unbroken.worker.shard_plan import Span, cover
-from unbroken.worker.sharded_optimizer import Holding, ShardedOptimizer
+from unbroken.worker.sharded_optimizer import Holding, ShardedOptimizer, issue
 
 MAX_SPANS = 8
 """Spans per parameter group a member reports holding (its plan's two, and those of a re-partition
@@ -89,10 +88,8 @@ def move(sharded: ShardedOptimizer, group: Any, wanted: dict[int, list[Span]], a
                 for i, t in enumerate(parts):
                     wire = group.staged(t.contiguous(), sending=src == rank)  # on the group's device (Gloo: CPU, NCCL: its GPU)
                     op = group.pg.send if src == rank else group.pg.recv
-                    try:
-                        works.append(group._issued(op([wire], r if src == rank else src, tag + i)))
-                    except Exception as exc:
-                        raise GenerationFailed(f"generation {group.number}: {what} failed to start: {exc}") from None
+                    peer = r if src == rank else src
+                    works.append(issue(group, lambda: op([wire], peer, tag + i), what))  # started at once
                     if wire is not t and src != rank:
                         landing.append((wire, t))
                     moved += t.numel() * t.element_size() if r == rank else 0

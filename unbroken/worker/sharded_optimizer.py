@@ -205,10 +205,7 @@ class ShardedOptimizer:
         what = f"step {self._step_index}: sharded optimizer"
         try:
             barrier = torch.tensor([1.0, float(self._wants_save())], dtype=torch.float64, device=group.device)
-            try:
-                work = group._issued(group.pg.allreduce([barrier]))
-            except Exception as exc:
-                raise GenerationFailed(f"generation {group.number}: {what} barrier failed to start: {exc}") from None
+            work = issue(group, lambda: group.pg.allreduce([barrier]), f"{what} barrier")
             self._chaos("barrier", self._step_index)
             group.wait(work, f"{what} barrier")
             self.save_due = bool(barrier[1] > 0)
@@ -254,7 +251,7 @@ class ShardedOptimizer:
             if not width:
                 continue
             dtype, device = self.dtype(g), self.device(g)
-            rows = max(1, GATHER_BYTES // (n * torch.empty((), dtype=dtype).element_size()))
+            rows = max(1, GATHER_BYTES // (n * dtype.itemsize))
             stage = self._staging(dtype, device, n * min(rows, width))
             own = Span(g, min(size, rank * width), min(size, (rank + 1) * width))
             master = next((h.master.detach() for h in self.holdings if h.span == own), None) if own.size else None
@@ -268,10 +265,7 @@ class ShardedOptimizer:
                     if master is not None and at < own.size:
                         send[: own.size - at] = master[at:]
                 out = stage[: n * b]
-                try:
-                    work = group._issued(group.pg._allgather_base(out, send))
-                except Exception as exc:
-                    raise GenerationFailed(f"generation {group.number}: {what} gather failed to start: {exc}") from None
+                work = issue(group, lambda: group.pg._allgather_base(out, send), f"{what} gather")
                 group.wait(work, f"{what} gather")
                 for k in range(n):
                     part = Span(g, min(size, k * width), min(size, (k + 1) * width))
@@ -285,6 +279,15 @@ class ShardedOptimizer:
         if stage is None or stage.numel() < numel:
             stage = self._stages[key] = torch.empty(numel, dtype=dtype, device=device)
         return stage
+
+
+def issue(group: Any, start: Callable[[], Any], what: str) -> Any:
+    """Start a collective or transfer on ``group``'s process group, counted as its work (waited for with
+    ``group.wait``); :class:`GenerationFailed` if it cannot even start (a broken group)."""
+    try:
+        return group._issued(start())
+    except Exception as exc:
+        raise GenerationFailed(f"generation {group.number}: {what} failed to start: {exc}") from None
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
