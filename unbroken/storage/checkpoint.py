@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import threading
 import time
 import uuid
@@ -45,6 +46,9 @@ from unbroken.storage.state_copy import MemoryFile, PinnedPool, _has_gpu_tensor,
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+FORMAT_WITH_PARTS = 2
+"""A checkpoint whose optimizer state is in parts written by its owners (:mod:`unbroken.storage.optimizer_parts`):
+``state.pt`` alone holds no optimizer state, so a reader that knows only :data:`FORMAT` must refuse it."""
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
 GENERATION_FILE = "generation.json"
@@ -83,14 +87,8 @@ class CheckpointStore:
     def write(self, step: int, payload: bytes | memoryview, meta: dict[str, Any], before_manifest: Callable[[], None] | None = None) -> str:
         """Publish checkpoint ``step``: data first, manifest last. Returns its location."""
         name = self.name(step)
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "time": time.time(),
-            "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": memoryview(payload).nbytes}},
-            "versions": _versions(),
-            **meta,
-        }
+        digest = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": memoryview(payload).nbytes}
+        manifest = self.manifest(step, {STATE_FILE: digest}, meta)
         if self.local:
             self._write_local(name, payload, manifest, before_manifest)
         else:
@@ -102,6 +100,11 @@ class CheckpointStore:
             self.publish(name, manifest)
         return f"{self.url}/{name}"
 
+    @staticmethod
+    def manifest(step: int, files: dict[str, Any], meta: dict[str, Any], format: int = FORMAT) -> dict[str, Any]:
+        """The manifest of checkpoint ``step`` with ``files`` (name -> sha256 and bytes) and the writer's ``meta``."""
+        return {"format": format, "step": step, "time": time.time(), "files": files, "versions": _versions(), **meta}
+
     def _write_local(self, name: str, payload: bytes | memoryview, manifest: dict[str, Any], before_manifest: Callable[[], None] | None) -> None:
         tmp = self.staging_dir(name)
         _write_synced(os.path.join(tmp, STATE_FILE), payload)
@@ -110,14 +113,16 @@ class CheckpointStore:
             before_manifest()
         self.publish(name, manifest)
 
-    def staging_dir(self, name: str) -> str:
-        """A fresh local directory beside the checkpoints to write checkpoint ``name``'s files in
-        (local file systems only). Its name (``.step-NNNNNNNN.tmp-XXXXXXXX``) is one that
-        :meth:`retain` removes when a save was cut short before :meth:`move_into_place`."""
+    def staging_dir(self, name: str, tag: str | None = None) -> str:
+        """A local directory beside the checkpoints to write checkpoint ``name``'s files in (local
+        file systems only): a fresh one, or with ``tag`` the one every writer of the same save names
+        alike (the members writing their parts of one checkpoint). Its name
+        (``.step-NNNNNNNN.tmp-XXXXXXXX``) is one that :meth:`retain` removes when a save was cut
+        short before :meth:`move_into_place`."""
         assert self.local, "staging directories are for local file systems"
         os.makedirs(self.root, exist_ok=True)
-        tmp = os.path.join(self.root, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
+        tmp = os.path.join(self.root, f".{name}.tmp-{tag or uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp, exist_ok=tag is not None)
         return tmp
 
     def move_into_place(self, tmp: str, name: str) -> None:
@@ -129,7 +134,11 @@ class CheckpointStore:
         if os.path.isdir(final):
             leftovers = sorted(os.listdir(final), key=lambda base: base != MANIFEST)  # the manifest first
             for leftover in leftovers:
-                os.remove(os.path.join(final, leftover))
+                path = os.path.join(final, leftover)
+                if os.path.isdir(path):  # the parts of a sharded optimizer's state
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
             os.rmdir(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
@@ -207,7 +216,8 @@ class CheckpointStore:
         return {step: self._written_at(self.name(step)) for step in found}
 
     def read(self, step: int) -> tuple[dict[str, Any], bytes]:
-        """Manifest and verified state bytes of checkpoint ``step``; raises CheckpointCorrupt."""
+        """Manifest and verified state bytes of checkpoint ``step``; raises CheckpointCorrupt. Every
+        other file the manifest names (a sharded optimizer's parts) is verified too, read in blocks."""
         name = self.name(step)
         try:
             with self.fs.open(self._path(name, MANIFEST), "rb") as f:
@@ -217,13 +227,28 @@ class CheckpointStore:
                 payload = f.read()
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorrupt(f"{self.url}/{name}: unreadable ({exc})") from None
-        if manifest.get("format") != FORMAT:
-            raise CheckpointCorrupt(f"{self.url}/{name}: format {manifest.get('format')} is not {FORMAT}")
+        if manifest.get("format") not in (FORMAT, FORMAT_WITH_PARTS):
+            raise CheckpointCorrupt(f"{self.url}/{name}: format {manifest.get('format')} is not {FORMAT} or {FORMAT_WITH_PARTS}")
         if len(payload) != entry["bytes"]:
             raise CheckpointCorrupt(f"{self.url}/{name}: {STATE_FILE} has {len(payload)} bytes, the manifest says {entry['bytes']} (truncated?)")
         if hashlib.sha256(payload).hexdigest() != entry["sha256"]:
             raise CheckpointCorrupt(f"{self.url}/{name}: {STATE_FILE} does not match its checksum (corrupt)")
+        for other, expected in sorted(manifest["files"].items()):
+            if other != STATE_FILE:
+                self._verify_file(name, other, expected)
         return manifest, payload
+
+    def _verify_file(self, name: str, file: str, expected: dict[str, Any]) -> None:
+        try:
+            with self.fs.open(self._path(name, file), "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            size = self.fs.size(self._path(name, file))
+        except (OSError, TypeError) as exc:
+            raise CheckpointCorrupt(f"{self.url}/{name}: {file} unreadable ({exc})") from None
+        if size != expected.get("bytes"):
+            raise CheckpointCorrupt(f"{self.url}/{name}: {file} has {size} bytes, the manifest says {expected.get('bytes')} (truncated?)")
+        if digest != expected.get("sha256"):
+            raise CheckpointCorrupt(f"{self.url}/{name}: {file} does not match its checksum (corrupt)")
 
     def load_latest(self) -> tuple[dict[str, Any], dict[str, Any], str] | None:
         """The newest checkpoint that verifies: (state, manifest, location). Warns about and skips

@@ -39,6 +39,8 @@ class Checkpointing:
         self._step_ema: float | None = None
         self._save_cost = 0.0
         self._save_cost_pending = False
+        self.resumed_parts = False
+        """The checkpoint this member resumed from holds the optimizer state in its owners' parts."""
 
     def open(self, resume: bool) -> None:
         """Open the checkpoint directory; a member that starts a job (nobody holds live state)
@@ -53,6 +55,10 @@ class Checkpointing:
             from unbroken.storage.sharded_checkpoint import ShardedSaver
 
             self.saver = ShardedSaver(self.store, job.checkpoint.keep, self._done, job._group.checkpoint_group, job.model)
+        elif job._sharded is not None:
+            from unbroken.storage.optimizer_parts import PartsSaver
+
+            self.saver = PartsSaver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s), self._left)
         else:
             self.saver = Saver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s))
         if job.checkpoint.every is not None:
@@ -89,6 +95,9 @@ class Checkpointing:
                 print(f"unbroken: warning: no valid checkpoint in {job.checkpoint.directory}; starting from step 0", flush=True)
             return
         state, manifest, location = found
+        self.resumed_parts = "optimizer_parts" in manifest
+        if self.resumed_parts and job._sharded is None:  # not sharded here: the whole state, in torch's format
+            state["optimizer"]["state"] = self._whole_optimizer_state(manifest)
         job._load(state)
         self._resumed(manifest)
         job.fresh = False
@@ -97,6 +106,23 @@ class Checkpointing:
         job._generation_floor = max(job._generation_floor, int(manifest.get("generation", 0)), self.store.newest_generation())
         print(f"unbroken: resumed from step {job.next_step} of {location}", flush=True)
         job._events.emit("resume", step=job.next_step, location=location)
+
+    def _whole_optimizer_state(self, manifest: dict[str, Any]) -> dict[int, Any]:
+        from unbroken.storage.optimizer_parts import per_parameter_state
+        from unbroken.worker.sharded_saving import parameter_shapes
+
+        root = self.store._path(self.store.name(int(manifest["step"])))
+        try:
+            return per_parameter_state(self.store.fs, root, manifest["optimizer_parts"]["layout"], parameter_shapes(self.job.optimizer))
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise ConfigError(f"the optimizer state of the checkpoint at {self.store.url}/{self.store.name(int(manifest['step']))}"
+                              f" does not fit this job's optimizer ({exc}): resume with the same model and optimizer,"
+                              " or from another checkpoint directory") from None
+
+    def _left(self, member: str) -> bool:
+        """Whether ``member`` is not in this member's current generation (a part it owes will not come)."""
+        group = self.job._joiner.group
+        return group is not None and member not in group.members
 
     def _resumed(self, manifest: dict[str, Any]) -> None:
         """The job resumed from a checkpoint: unless it was the job's final one, every live copy of
@@ -115,7 +141,7 @@ class Checkpointing:
 
     def maybe_save(self) -> None:
         """After a commit: save if the schedule says so (rank 0 only; with a sharded optimizer,
-        every member sends rank 0 its part when the step's barrier said so)."""
+        every member writes its part of the state when the step's barrier said so)."""
         job = self.job
         if job._sharded is not None:
             return self._maybe_save_sharded()
@@ -140,26 +166,12 @@ class Checkpointing:
                 and not self.saver.busy() and self.schedule.due(index + 1, time.monotonic()))
 
     def _maybe_save_sharded(self) -> None:
-        from unbroken.worker import sharded_saving
-
         job = self.job
         if self.schedule is not None and job.member_index == 0:
             self._account_save_cost(time.monotonic())
-        if not job._sharded.save_due:
-            return
-        job._sharded.save_due = False
-        try:
-            with job._joiner.busy("checkpoint snapshot"):
-                held = sharded_saving.collect(job._sharded, job._joiner.group, job.next_step)
-        except GenerationFailed as exc:
-            job._abandon(str(exc))
-            return
-        if job.member_index == 0:
-            sharded_saving.install(job._sharded, held)
-            try:
-                self.save()
-            finally:
-                sharded_saving.release(job._sharded)
+        if job._sharded.save_due:
+            job._sharded.save_due = False
+            self.save()
 
     def _account_save_cost(self, now: float) -> None:
         """What a save costs training: its stall plus how much longer the steps took while it was
@@ -193,7 +205,12 @@ class Checkpointing:
         if job._group is not None:
             meta.update(plan=self._plan())
         with job._joiner.busy("checkpoint snapshot"):
-            state = self._sharded_state() if job._group is not None else job._state()
+            if job._group is not None:
+                state = self._sharded_state()
+            elif job._sharded is not None:  # every member: its part; rank 0: the rest too
+                state, meta["parts"] = self._parts_of_sharded(group)
+            else:
+                state = job._state()
             stall = None if skip else self.saver.save(job.next_step, state, meta)
         if self.schedule is not None:
             self.schedule.began(time.monotonic())  # a skipped save waits for the next interval too
@@ -204,6 +221,17 @@ class Checkpointing:
             job._events.emit("checkpoint_skipped", step=job.next_step, writing=self.saver.writing)
         elif self.schedule is not None:
             self._save_cost, self._save_cost_pending = stall, True
+
+    def _parts_of_sharded(self, group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This member's share of a checkpoint with a sharded optimizer, and what its writer needs."""
+        from unbroken.worker import sharded_saving
+
+        job = self.job
+        sharded = job._sharded
+        state = {"train": job._state() if group.rank == 0 else None, "spans": sharded_saving.owned(sharded, group.rank, group.size)}
+        parts = {"member": group.rank, "ids": list(group.members), "tag": f"g{group.number}", "sizes": list(sharded.sizes),
+                 "layout": sharded_saving.layout_record(sharded)}
+        return state, parts
 
     # -- replica groups: one DCP shard per process, written by one group --------------
 
@@ -268,20 +296,10 @@ class Checkpointing:
             return True
         try:
             with job._joiner.busy("checkpoint write"):
-                held = None
-                if self.schedule is not None and job._sharded is not None:  # before any wait: the others are in it
-                    from unbroken.worker import sharded_saving
-
-                    held = sharded_saving.collect(job._sharded, job._joiner.group, job.next_step)
-                    if job.member_index == 0:
-                        sharded_saving.install(job._sharded, held)
                 self.saver.wait()
-                if self.schedule is not None and job.member_index == 0:
-                    try:
-                        self.save(final=True)
-                    finally:
-                        if held is not None:
-                            sharded_saving.release(job._sharded)
+                # every member writes its part of a sharded optimizer's state; rank 0 waits for them all
+                if self.schedule is not None and (job.member_index == 0 or job._sharded is not None):
+                    self.save(final=True)
                     self.saver.wait()
             if self.schedule is not None:
                 if job.member_index == 0:

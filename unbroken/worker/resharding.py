@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from unbroken.errors import GenerationFailed
-from unbroken.worker import state_digests
+from unbroken.worker import sharded_saving, state_digests
 from unbroken.worker.shard_moves import ShardedStateLost, holdings_table, move
 from unbroken.worker.shard_plan import Span, buddy_shift, cover, held_spans
 from unbroken.worker.sharded_optimizer import APPLIED, READY, Pending, ShardedOptimizer, issue
@@ -155,7 +155,16 @@ def reshard(job: Any, group: Any) -> None:
     at, n = job.next_step, group.size
     shift = buddy_shift(list(group.members))
     wanted = {r: held_spans(sharded.sizes, n, r, shift) for r in range(n)}
-    new, moved = move(sharded, group, wanted, at, "sharded state: re-partition", lambda: job._chaos.point("reshard", at))
+    flags = group.allgather_rows(torch.tensor([int(sharded.in_checkpoint)], dtype=torch.int64), "sharded state: resumed?")
+    if at > 0 and int(flags.max()):  # the job resumed from a checkpoint whose optimizer state is in parts
+        try:
+            new, moved = sharded_saving.read_parts(sharded, job.checkpoint.directory, at, wanted[group.rank])
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise GenerationFailed(f"generation {group.number}: reading this member's optimizer state from the checkpoint"
+                                   f" of step {at} failed: {exc}") from None
+        job._chaos.point("reshard", at)
+    else:
+        new, moved = move(sharded, group, wanted, at, "sharded state: re-partition", lambda: job._chaos.point("reshard", at))
     barrier = torch.ones(1, dtype=torch.float64, device=group.device)
     try:
         group.allreduce(barrier, "sharded state: re-partition barrier")
@@ -168,6 +177,6 @@ def reshard(job: Any, group: Any) -> None:
             h.master = sharded.read(h.span)
         raise
     sharded.hold(new)
-    sharded.shard_step = at
+    sharded.shard_step, sharded.in_checkpoint = at, False
     job._events.emit("reshard", generation=group.number, step=at, members=n, spans=len(new), bytes_received=moved,
                      state_bytes=sharded.state_bytes(), seconds=round(time.monotonic() - started, 6))

@@ -102,6 +102,9 @@ class ShardedOptimizer:
         self.pending: Pending | None = None
         self.must_resume = False
         """Set when the state was lost: the next generation must go on from a checkpoint, or not at all."""
+        self.in_checkpoint = False
+        """Set on the member that resumed from a checkpoint whose optimizer state is in parts: every
+        member reads its spans from there at the re-partition (:mod:`unbroken.worker.sharded_saving`)."""
         self.inner: torch.optim.Optimizer | None = None
         self._group: Any = None
         self._step_index = -1
@@ -178,7 +181,7 @@ class ShardedOptimizer:
 
     def forget(self) -> None:
         """Hold nothing valid any more (this member received the whole state of another)."""
-        self.holdings, self.shard_step, self.pending, self.inner = [], -1, None, None
+        self.holdings, self.shard_step, self.pending, self.inner, self.in_checkpoint = [], -1, None, None, False
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this member holds (its spans')."""

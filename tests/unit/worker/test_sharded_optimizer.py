@@ -1,15 +1,13 @@
 """The sharded optimizer's state on one process: flat spans step as the whole optimizer does, the
 checkpoint's whole state goes in and out, the copies' check, and what is refused."""
 
-import copy
-
 import pytest
 import torch
 
 from unbroken.errors import ConfigError, ReplicaDivergence
 from unbroken.worker import sharded_saving
 from unbroken.worker.replica_check import verify_shards
-from unbroken.worker.shard_plan import partition_spans
+from unbroken.worker.shard_plan import Span, partition_spans
 from unbroken.worker.sharded_optimizer import Holding, ShardedOptimizer, refuse_unshardable
 
 
@@ -60,34 +58,68 @@ def test_spans_step_as_the_whole_optimizer_with_a_schedule_and_the_scripts_own_l
     assert sharded.shard_step == 6 and not face.state  # the script's optimizer holds nothing itself
 
 
-def test_a_checkpoints_whole_state_goes_in_as_torchs_own_format_and_comes_back_as_spans():
+@pytest.mark.parametrize("written_by, frozen", [(3, False), (2, True)], ids=["three-owners", "two-owners-a-frozen-parameter"])
+def test_the_owners_parts_of_a_checkpoint_come_back_as_torchs_own_format_and_as_spans_of_another_plan(tmp_path, written_by, frozen):
+    from unbroken.storage.checkpoint import CheckpointStore
+    from unbroken.storage.optimizer_parts import merge, per_parameter_state, read_spans, write_part
+
     plain_model, sharded_model = _model(), _model()
+    if frozen:  # in the optimizer, but never stepped: no state, left out of the flat vectors
+        for model in (plain_model, sharded_model):
+            model[0].bias.requires_grad_(False)
     plain = torch.optim.AdamW(_groups(plain_model), lr=0.01)
-    face, sharded = _sharded(sharded_model)
+    face, sharded = _sharded(sharded_model, n=written_by)
     for step in range(3):
         for model in (plain_model, sharded_model):
             _grads(model, step)
+            if frozen:
+                model[0].bias.grad = None
         plain.step()
         face.step()
-    whole = [Holding(span, torch.empty(0), {}) for span in sharded_saving.whole(sharded)]
-    for h in whole:  # what collect() gives rank 0: the spans joined
-        parts = [x for x in sharded.holdings if x.span.group == h.span.group]
-        h.state = {k: torch.cat([x.state[k] for x in parts]) if v.dim() else v for k, v in parts[0].state.items()}
-    sharded_saving.install(sharded, whole)
-    mine, theirs = face.state_dict(), plain.state_dict()
-    sharded_saving.release(sharded)
-    assert not face.state
-    assert mine["state"].keys() == theirs["state"].keys()
-    for i in theirs["state"]:
-        for key, value in theirs["state"][i].items():
-            torch.testing.assert_close(mine["state"][i][key], value, rtol=0, atol=0)
-    # a plain optimizer's checkpoint, loaded into a sharded job: held as whole groups
-    fresh_face, fresh = _sharded(_model())
-    fresh_face.load_state_dict(copy.deepcopy(theirs))
-    assert sharded_saving.adopt_loaded(fresh, 3)
-    assert fresh.shard_step == 3 and not fresh_face.state
-    assert [h.span.size for h in fresh.holdings] == fresh.sizes
-    torch.testing.assert_close(fresh.holdings[0].state["exp_avg"][:35], theirs["state"][0]["exp_avg"].reshape(-1))
+    store = CheckpointStore(str(tmp_path))
+    root = store._path("step-00000003")
+    # every owner writes its own partition, and only it (what sharded_saving.owned hands each member)
+    markers = [write_part(store.fs, root, k, sharded_saving.owned(sharded, k, written_by)) for k in range(written_by)]
+    for k, marker in enumerate(markers):
+        assert marker["spans"] == [[s.group, s.start, s.end] for s in partition_spans(sharded.sizes, written_by, k)]
+    merge(store.fs, root, markers, sharded.sizes)
+    # a job that does not shard (or a single process): the state torch.optim itself would hold
+    layout = sharded_saving.layout_record(sharded)
+    mine, theirs = per_parameter_state(store.fs, root, layout, sharded_saving.parameter_shapes(plain)), plain.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for i in theirs:
+        assert mine[i].keys() == theirs[i].keys()
+        for key, value in theirs[i].items():
+            torch.testing.assert_close(mine[i][key], value, rtol=0, atol=0)
+    # a member of a job of another size reads just the spans it holds there
+    for n in (1, 2, 4):
+        for k in range(n):
+            wanted = [(s.group, s.start, s.end) for s in partition_spans(sharded.sizes, n, k)]
+            for span, state in read_spans(store.fs, root, wanted).items():
+                whole = torch.cat([h.state["exp_avg_sq"] for h in sharded.holdings if h.span.group == span[0]])
+                torch.testing.assert_close(state["exp_avg_sq"], whole[span[1]:span[2]], rtol=0, atol=0)
+                assert float(state["step"]) == 3
+
+
+def test_a_checkpoints_parts_read_as_one_dcp_checkpoint_by_users_tools(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from unbroken.storage.checkpoint import CheckpointStore
+    from unbroken.storage.optimizer_parts import PARTS_DIR, entry_name, merge, write_part
+
+    face, sharded = _sharded(_model(), n=2)
+    for p in (p for g in face.param_groups for p in g["params"]):
+        p.grad = torch.ones_like(p)
+    face.step()
+    store = CheckpointStore(str(tmp_path))
+    root = store._path("step-00000001")
+    merge(store.fs, root, [write_part(store.fs, root, k, sharded_saving.owned(sharded, k, 2)) for k in range(2)], sharded.sizes)
+    span = partition_spans(sharded.sizes, 2, 1)[0]
+    key = entry_name((span.group, span.start, span.end), "exp_avg")
+    state = {key: torch.empty(span.size, dtype=torch.float64)}
+    dcp.load(state, checkpoint_id=f"{root}/{PARTS_DIR}", no_dist=True)
+    holding = next(h for h in sharded.holdings if h.span == span)
+    torch.testing.assert_close(state[key], holding.state["exp_avg"], rtol=0, atol=0)
 
 
 class _TwoMembers:
@@ -178,7 +210,8 @@ def test_a_move_assembles_spans_from_held_pieces_for_stateless_optimizers_and_em
     sharded.hold([Holding(span, torch.empty(0)) for k in range(3) for span in partition_spans(sharded.sizes, 3, k)])
     _grads(model, 0)
     face.step()  # SGD without momentum keeps no state at all
-    new, moved = move(sharded, _Alone(), {0: sharded_saving.whole(sharded)}, 1, "test")
+    whole = [Span(g, 0, size) for g, size in enumerate(sharded.sizes) if size]
+    new, moved = move(sharded, _Alone(), {0: whole}, 1, "test")
     assert moved == 0 and [h.span.size for h in new] == [s for s in sharded.sizes if s]
     if kind is torch.optim.SGD:  # a piece received from a peer holds no tensors at all
         from unbroken.worker.shard_moves import _assemble
