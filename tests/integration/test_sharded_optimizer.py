@@ -1,6 +1,9 @@
 """--shard-optimizer: every member holds 2/N of the optimizer state, and the job survives the loss
 of members, mid-step and mid-re-partition, with the same model as one process and every sample once."""
 
+import os
+import signal
+
 import pytest
 
 from testbed import harness
@@ -136,3 +139,58 @@ def test_a_member_stopped_between_its_update_and_the_gather_wakes_behind_and_is_
     assert {e["source"].split(":")[1] for e in rolled} == {"vm.w0.r0", "vm.w1.r0", "vm.w3.r0"}, rolled
     assert any(victim in e["receivers"] and e["t"] > verdict["t"] for e in run.events("heal"))
     assert {w["local_rank"]: w for w in run.summary()["workers"]}[2]["restarts"] == 0
+
+
+def kill_whole_sharded_job(run_dir, ckpt, when, *extra):
+    """A 4-member sharded job saving every 5 steps, SIGKILLed whole (launcher and workers) when ``when(run)``."""
+    proc = harness.start(["run", "--run-dir", run_dir, "--nproc-per-node", "4", "--shard-optimizer", "--record-samples",
+                          "--checkpoint-dir", ckpt, "--checkpoint-every", "5", *extra,
+                          harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.15"])
+    try:
+        harness.wait_for(lambda: when(harness.Run(0, "", "", run_dir)), 120, "the moment to kill the job")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        harness.kill_leftovers(run_dir)
+        proc.communicate()
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "every worker of the killed job to be gone")
+
+
+@pytest.mark.parametrize("members, shard", [(3, True), (2, False)], ids=["three-sharded", "two-not-sharded"])
+def test_the_owners_checkpoint_resumes_at_another_member_count_sharded_or_not(tmp_path, single, members, shard):
+    import torch
+
+    from unbroken.storage.checkpoint import CheckpointStore
+    from unbroken.storage.optimizer_parts import PARTS_DIR
+
+    ckpt, first, second = str(tmp_path / "ckpt"), str(tmp_path / "first"), str(tmp_path / "second")
+    kill_whole_sharded_job(first, ckpt, lambda run: [e for e in run.events("checkpoint") if e["step"] >= 10])
+    store = CheckpointStore(ckpt)
+    newest = store.steps()[0]
+    manifest, payload = store.read(newest)
+    # written by its owners: four parts of about a quarter of the state each, none in rank 0's file
+    assert manifest["optimizer_parts"]["members"] == 4
+    parts = [manifest["files"][f"{PARTS_DIR}/m{k}/__0_0.distcp"]["bytes"] for k in range(4)]
+    assert max(parts) < 0.4 * sum(parts), parts
+    assert torch.load(f"{ckpt}/step-{newest:08d}/state.pt", weights_only=False)["optimizer"]["state"] == {}
+    run = harness.unbroken(second, "--nproc-per-node", str(members), "--record-samples", "--checkpoint-dir", ckpt,
+                           "--checkpoint-every", "5", *(["--shard-optimizer"] if shard else []),
+                           harness.EXACT, "--steps", str(STEPS), "--out", f"{second}/final")
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"resumed from step {newest} of {ckpt}/step-{newest:08d}" in run.stdout
+    if shard:  # every member read its own spans of the new plan from the parts
+        read = [e for e in run.events("reshard") if e["step"] == newest]
+        assert len(read) == members and all(e["from_checkpoint"] for e in read), read
+    harness.check_exactly_once([first, second], STEPS, GLOBAL)
+    harness.check_same_model(f"{second}/final", single["plain"], members, tolerance=SAME)
+    harness.wait_for(lambda: not harness.alive_workers(second), 30, "no worker left behind")
+
+
+def test_a_member_killed_while_it_writes_its_part_leaves_that_checkpoint_unpublished_and_the_job_goes_on(tmp_path, single):
+    checkpoints = str(tmp_path / "checkpoints")
+    run = sharded_run(tmp_path, "kill@save,rank=2,step=10", launcher=("--checkpoint-dir", checkpoints, "--checkpoint-every", "5"))
+    check(run, single["plain"])
+    assert [e["point"] for e in run.events("fault")] == ["save"]
+    saved = [e["step"] for e in run.events("checkpoint")]
+    assert 10 not in saved and 15 in saved, saved  # rank 0 gave its write up when the member left, not after a timeout
+    assert "checkpoint of step 10 failed" in run.stdout + run.stderr
+    assert not os.path.exists(os.path.join(checkpoints, "step-00000010", "manifest.json"))

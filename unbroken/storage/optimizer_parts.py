@@ -126,7 +126,8 @@ def _put(fs: Any, path: str, data: bytes | memoryview) -> None:
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, torch.Tensor]]) -> dict[str, Any]:
+def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, torch.Tensor]],
+               before_marker: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Member ``member`` writes its ``spans`` (each span's entries, tensors in host memory) as its
     part of the checkpoint whose directory is ``root`` (a path of ``fs``), then its marker; returns
     the marker (its spans, its files' sizes and sha256 by path relative to ``root``)."""
@@ -140,6 +141,7 @@ def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, t
     names = sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
     marker = {"member": member, "spans": sorted(list(s) for s in spans),
               "files": {f"{PARTS_DIR}/m{member}/{n}": sha256(fs, f"{where}/{n}") for n in names}}
+    before_marker()
     _put(fs, f"{root}/{PARTS_DIR}/m{member}.json", json.dumps(marker).encode())
     return marker
 
@@ -309,9 +311,10 @@ class PartsSaver(Saver):
         store, name = self.store, self.store.name(step)
         parts = meta.pop("parts")
         root = store.staging_dir(name, parts["tag"]) if store.local else store._path(name)
-        write_part(store.fs, root, parts["member"], copy.pop("spans"))
-        if parts["member"] != 0:
+        if parts["member"] != 0:  # (a fault injected here: the member dies with its part written, unannounced)
+            write_part(store.fs, root, parts["member"], copy.pop("spans"), lambda: self.fault(step))
             return None
+        write_part(store.fs, root, 0, copy.pop("spans"))
         buffer = MemoryFile(capacity=_tensor_bytes(copy) + (1 << 20))
         torch.save(copy.pop("train"), buffer)
         payload = buffer.getbuffer()

@@ -156,7 +156,8 @@ def reshard(job: Any, group: Any) -> None:
     shift = buddy_shift(list(group.members))
     wanted = {r: held_spans(sharded.sizes, n, r, shift) for r in range(n)}
     flags = group.allgather_rows(torch.tensor([int(sharded.in_checkpoint)], dtype=torch.int64), "sharded state: resumed?")
-    if at > 0 and int(flags.max()):  # the job resumed from a checkpoint whose optimizer state is in parts
+    from_checkpoint = at > 0 and bool(int(flags.max()))
+    if from_checkpoint:  # the job resumed from a checkpoint whose optimizer state is in parts
         try:
             new, moved = sharded_saving.read_parts(sharded, job.checkpoint.directory, at, wanted[group.rank])
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
@@ -179,4 +180,4 @@ def reshard(job: Any, group: Any) -> None:
     sharded.hold(new)
     sharded.shard_step, sharded.in_checkpoint = at, False
     job._events.emit("reshard", generation=group.number, step=at, members=n, spans=len(new), bytes_received=moved,
-                     state_bytes=sharded.state_bytes(), seconds=round(time.monotonic() - started, 6))
+                     from_checkpoint=from_checkpoint, state_bytes=sharded.state_bytes(), seconds=round(time.monotonic() - started, 6))

@@ -1,0 +1,115 @@
+"""The owners' parts of a sharded optimizer's checkpoint: written apart, met in the directory,
+published by rank 0 only when all are there and cover the state, verified whole when read."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from unbroken.storage.checkpoint import FORMAT_WITH_PARTS, CheckpointCorrupt, CheckpointStore
+from unbroken.storage.optimizer_parts import (PARTS_DIR, PartMissing, PartsIncomplete, PartsSaver, merge, wait_for_parts,
+                                              write_part)
+
+SIZES = [10, 3]
+
+
+def spans_of(member, n=2):
+    """Member ``member``'s partition of SIZES among ``n``: its spans with made-up Adam-like state."""
+    out = {}
+    for g, size in enumerate(SIZES):
+        width = -(-size // n)
+        start, end = min(size, member * width), min(size, (member + 1) * width)
+        if end > start:
+            out[(g, start, end)] = {"exp_avg": torch.arange(start, end, dtype=torch.float64) + 100 * g,
+                                    "step": torch.tensor(7.0)}
+    return out
+
+
+def part_state(member, members=("a.w0.r0", "a.w1.r0")):
+    train = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {}, "param_groups": []}} if member == 0 else None
+    meta = {"generation": 4, "parts": {"member": member, "ids": list(members), "tag": "g4", "sizes": SIZES,
+                                       "layout": [[[0, 0, 10]], [[1, 0, 3]]]}}
+    return {"train": train, "spans": spans_of(member)}, meta
+
+
+def save_both(store, gone=lambda member: False, timeout=30.0, skip=()):
+    """Members 1 and 0 save step 6, each with its own saver, as two processes would; returns rank 0's saver."""
+    done = []
+    savers = [PartsSaver(store, 3, done.append, gone=gone, timeout=timeout) for _ in range(2)]
+    for member in (1, 0):
+        if member not in skip:
+            state, meta = part_state(member)
+            assert savers[member].save(6, state, meta) is not None
+    for saver in savers:
+        saver.wait(60)
+        assert not saver.busy()
+    return savers[0], done
+
+
+def test_rank_zero_publishes_once_every_part_is_there_and_a_read_verifies_every_file(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    saver, done = save_both(store)
+    assert saver.error is None and store.steps() == [6]
+    manifest, _ = store.read(6)
+    assert manifest["format"] == FORMAT_WITH_PARTS and manifest["optimizer_parts"]["members"] == 2
+    assert {f"{PARTS_DIR}/m0/.metadata", f"{PARTS_DIR}/m1/.metadata", f"{PARTS_DIR}/.metadata", "state.pt"} <= set(manifest["files"])
+    assert done and done[0]["parts"] == 2
+    state, _, _ = store.load_latest()
+    assert state["optimizer"]["state"] == {}  # no optimizer state in rank 0's file: it is in the parts
+    # one flipped byte of member 1's part: the checkpoint is refused, and a resume skips it
+    data = next(f for f in manifest["files"] if f.startswith(f"{PARTS_DIR}/m1/__"))
+    path = os.path.join(str(tmp_path), "step-00000006", data)
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CheckpointCorrupt, match="m1/__0_0.distcp does not match its checksum"):
+        store.read(6)
+    assert store.load_latest() is None
+
+
+def test_a_part_that_never_comes_leaves_the_checkpoint_unpublished(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    started = time.monotonic()
+    saver, done = save_both(store, gone=lambda member: member == "a.w1.r0", skip=(1,))
+    assert time.monotonic() - started < 20  # it did not wait for the part of a member that left
+    assert isinstance(saver.error, PartMissing) and "member 1" in str(saver.error)
+    assert store.steps() == [] and not done
+    # a member still in the job but whose part does not come: given up after the timeout
+    saver, done = save_both(CheckpointStore(str(tmp_path / "other")), timeout=0.5, skip=(1,))
+    assert isinstance(saver.error, PartMissing) and "did not arrive within" in str(saver.error)
+
+
+def test_a_leftover_of_the_same_step_with_parts_is_replaced(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    os.makedirs(os.path.join(str(tmp_path), "step-00000006", PARTS_DIR, "m0"))  # an earlier, unpublished try
+    open(os.path.join(str(tmp_path), "step-00000006", PARTS_DIR, "m0", "stale"), "w").close()
+    saver, _ = save_both(store)
+    assert saver.error is None and store.steps() == [6]
+    assert not os.path.exists(os.path.join(str(tmp_path), "step-00000006", PARTS_DIR, "m0", "stale"))
+
+
+def test_parts_must_cover_the_state_exactly_once(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    root = store._path("step-00000001")
+    only = write_part(store.fs, root, 0, spans_of(0))
+    with pytest.raises(PartsIncomplete, match="parameter group 0"):
+        merge(store.fs, root, [only], SIZES)
+    twice = write_part(store.fs, root, 1, spans_of(0))  # member 1 wrote member 0's spans
+    with pytest.raises(PartsIncomplete):
+        merge(store.fs, root, [only, twice], SIZES)
+
+
+def test_waiting_for_parts_returns_them_in_member_order_as_they_arrive(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    root = store._path("step-00000002")
+    late = threading.Timer(0.3, lambda: write_part(store.fs, root, 1, spans_of(1)))
+    late.start()
+    write_part(store.fs, root, 0, spans_of(0))
+    markers = wait_for_parts(store.fs, root, 2, timeout=30)
+    late.join()
+    assert [m["member"] for m in markers] == [0, 1]
+    assert markers[1]["spans"] == [[0, 5, 10], [1, 2, 3]]
