@@ -19,7 +19,9 @@ retention removes.
 
 Replicas are identical, so one member (rank 0 of the generation) writes every byte once: splitting
 one small state across members would add coordination for no gain in write bandwidth on one
-filesystem (see the README's checkpoint benchmark).
+filesystem (see the README's checkpoint benchmark). The exception is a sharded optimizer's state,
+which no member holds whole: its owners write it in parts beside rank 0's ``state.pt``
+(:mod:`unbroken.storage.optimizer_parts`; the manifest's format is then :data:`FORMAT_WITH_PARTS`).
 """
 
 from __future__ import annotations
