@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from unbroken.storage.checkpoint import FORMAT_WITH_PARTS, CheckpointCorrupt, CheckpointStore
-from unbroken.storage.optimizer_parts import (PARTS_DIR, PartMissing, PartsIncomplete, PartsSaver, merge, wait_for_parts,
-                                              write_part)
+from unbroken.storage.optimizer_parts import (PARTS_DIR, PartMissing, PartsIncomplete, PartsSaver, merge, read_spans,
+                                              wait_for_parts, write_part)
 
 SIZES = [10, 3]
 
@@ -48,8 +48,9 @@ def save_both(store, gone=lambda member: False, timeout=30.0, skip=()):
     return savers[0], done
 
 
-def test_rank_zero_publishes_once_every_part_is_there_and_a_read_verifies_every_file(tmp_path):
-    store = CheckpointStore(str(tmp_path))
+@pytest.mark.parametrize("where", ["local", "object-store"])
+def test_rank_zero_publishes_once_every_part_is_there_and_a_read_verifies_every_file(tmp_path, where):
+    store = CheckpointStore(str(tmp_path) if where == "local" else f"memory://parts-{os.getpid()}/{tmp_path.name}")
     saver, done = save_both(store)
     assert saver.error is None and store.steps() == [6]
     manifest, _ = store.read(6)
@@ -58,14 +59,16 @@ def test_rank_zero_publishes_once_every_part_is_there_and_a_read_verifies_every_
     assert done and done[0]["parts"] == 2
     state, _, _ = store.load_latest()
     assert state["optimizer"]["state"] == {}  # no optimizer state in rank 0's file: it is in the parts
+    spans = read_spans(store.fs, store._path("step-00000006"), [(0, 3, 8)])  # across both members' parts
+    torch.testing.assert_close(spans[(0, 3, 8)]["exp_avg"], torch.arange(3, 8, dtype=torch.float64), rtol=0, atol=0)
     # one flipped byte of member 1's part: the checkpoint is refused, and a resume skips it
     data = next(f for f in manifest["files"] if f.startswith(f"{PARTS_DIR}/m1/__"))
-    path = os.path.join(str(tmp_path), "step-00000006", data)
-    with open(path, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 1]))
+    path = store._path("step-00000006", data)
+    with store.fs.open(path, "rb") as f:
+        blob = bytearray(f.read())
+    blob[100] ^= 1
+    with store.fs.open(path, "wb") as f:
+        f.write(bytes(blob))
     with pytest.raises(CheckpointCorrupt, match="m1/__0_0.distcp does not match its checksum"):
         store.read(6)
     assert store.load_latest() is None
