@@ -11,7 +11,9 @@ ZeroRedundancyOptimizer run under torchrun; DeepSpeed (stage 1, ``torch_adam``, 
 is installed (``pip install deepspeed``), else its column says so. Then, at the largest member
 count, a member is SIGKILLed mid-run under unbroken with plain members and with the sharded state:
 the survivors' stall (the fault to their first commit without it, less one healthy step), with the
-bytes and seconds of the sharded re-partition next to those of the plain run's heal. Last, the
+bytes and seconds of the sharded re-partition next to those of the plain run's heal. Then a healthy
+run of each saving checkpoints: what rank 0 writes (with the sharded state: the model and its own
+part; plain: everything) and what any other member writes, the stall and the write. Last, the
 guarantee: the float64 test script with a member killed between its update and the gather, against
 one process. Prints a markdown table (``--json``: one line) and writes
 benchmarks/results/sharded_optimizer.json.
@@ -82,6 +84,26 @@ def _stall(system: str, members: int, width: int, steps: int, tmp: str) -> dict[
             "heal_bytes": sum(e["bytes"] for e in heals), "heal_s": max((e["seconds"] for e in heals), default=0.0)}
 
 
+def _checkpoints(system: str, members: int, width: int, steps: int, tmp: str) -> dict[str, float]:
+    """A healthy run saving every third of its steps: the bytes each member writes (rank 0, and the
+    most any other member writes), rank 0's stall and the write's seconds (medians over the saves)."""
+    run_dir, ckpt = os.path.join(tmp, f"save-{system}"), os.path.join(tmp, f"checkpoints-{system}")
+    cmd = _command(system, members, width, steps, run_dir)
+    at = cmd.index("--run-dir")
+    cmd[at:at] = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(max(1, steps // 3))]
+    _run(cmd, 1800, tmp)
+    saves = [e for e in _events(run_dir) if e["kind"] == "checkpoint"]
+    newest = max(saves, key=lambda e: e["step"])
+    with open(os.path.join(newest["location"], "manifest.json")) as f:
+        files = json.load(f)["files"]
+    by_member: dict[str, int] = {}
+    for name, entry in files.items():  # optimizer/m<k>/...: member k's part; the rest is rank 0's
+        owner = name.split("/")[1] if name.startswith("optimizer/m") else "m0"
+        by_member[owner] = by_member.get(owner, 0) + entry["bytes"]
+    return {"rank0_bytes": by_member.pop("m0"), "other_bytes": max(by_member.values(), default=0), "saves": len(saves),
+            "stall_s": statistics.median(e["stall"] for e in saves), "write_s": statistics.median(e["write_seconds"] for e in saves)}
+
+
 def _same_model(tmp: str) -> float:
     """The float64 test script, a member killed between its update and the gather, against one process."""
     from testbed import harness
@@ -124,6 +146,7 @@ def main() -> int:
         save_results(path, {"args": vars(args), "table": table, "runs": rows})  # kept if what follows fails
         top = max(counts)
         stalls = {s: _stall(s, top, args.width, max(args.steps, 24), tmp) for s in ("plain", "sharded")}
+        saves = {s: _checkpoints(s, top, args.width, args.steps, tmp) for s in ("plain", "sharded")}
         same = _same_model(tmp)
     headline = {
         "members": top,
@@ -134,7 +157,7 @@ def main() -> int:
         "plain_stall_after_kill_s": stalls["plain"]["stall_s"],
         "same_model": same < 1e-12,
     }
-    save_results(path, {"args": vars(args), "table": table, "runs": rows, "stalls": stalls, "same_model_difference": same,
+    save_results(path, {"args": vars(args), "table": table, "runs": rows, "stalls": stalls, "checkpoints": saves, "same_model_difference": same,
                                        "deepspeed": "deepspeed" in systems, **headline})
     if args.json:
         print(json.dumps(headline))
@@ -150,6 +173,9 @@ def main() -> int:
     for s, r in stalls.items():
         print(f"\nkill at {top} members, {s}: stall {r['stall_s']:.3f} s (healthy step {r['healthy_step_s']:.3f} s);"
               f" re-partition {r['reshard_bytes'] / 1e6:.1f} MB in {r['reshard_s']:.3f} s; heal {r['heal_bytes'] / 1e6:.1f} MB in {r['heal_s']:.3f} s")
+    for s, r in saves.items():
+        print(f"\ncheckpoint at {top} members, {s}: rank 0 writes {r['rank0_bytes'] / 1e6:.1f} MB, any other member at most"
+              f" {r['other_bytes'] / 1e6:.1f} MB; stall {r['stall_s']:.3f} s, write {r['write_s']:.3f} s (median of {r['saves']} saves)")
     print(f"\nsame model as one process (float64, a kill between update and gather): {same:.2e} relative")
     return 0
 

@@ -29,3 +29,7 @@ def test_json_line_has_the_headline_figures(tmp_path):
     assert headline["healthy_step_s"] > 0 and headline["healthy_step_vs_ddp"] > 0
     saved = json.loads(out.read_text())
     assert saved["table"]["4"]["ddp"]["bytes"] > 0 and saved["stalls"]["sharded"]["reshard_bytes"] > 0
+    # a checkpoint: with the sharded state every member writes its part, rank 0 far less than all of it
+    plain, sharded = saved["checkpoints"]["plain"], saved["checkpoints"]["sharded"]
+    assert plain["other_bytes"] == 0 and sharded["other_bytes"] > 0, saved["checkpoints"]
+    assert sharded["rank0_bytes"] < plain["rank0_bytes"], saved["checkpoints"]

@@ -127,10 +127,12 @@ def _put(fs: Any, path: str, data: bytes | memoryview) -> None:
 
 
 def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, torch.Tensor]],
-               before_marker: Callable[[], None] = lambda: None) -> dict[str, Any]:
+               before_marker: Callable[[], None] = lambda: None, tag: str = "") -> dict[str, Any]:
     """Member ``member`` writes its ``spans`` (each span's entries, tensors in host memory) as its
     part of the checkpoint whose directory is ``root`` (a path of ``fs``), then its marker; returns
-    the marker (its spans, its files' sizes and sha256 by path relative to ``root``)."""
+    the marker (its spans, its files' sizes and sha256 by path relative to ``root``, and ``tag``,
+    which names the save: an object store has no staging directory, and a try at the same step by
+    an earlier generation may have left its markers there)."""
     where = f"{root}/{PARTS_DIR}/m{member}"
     fs.makedirs(where, exist_ok=True)
     from torch.distributed.checkpoint import save
@@ -139,7 +141,7 @@ def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, t
     with _quiet():
         metadata = save(state, storage_writer=_writer(fs, where), no_dist=True)
     names = sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
-    marker = {"member": member, "spans": sorted(list(s) for s in spans),
+    marker = {"member": member, "tag": tag, "spans": sorted(list(s) for s in spans),
               "files": {f"{PARTS_DIR}/m{member}/{n}": sha256(fs, f"{where}/{n}") for n in names}}
     before_marker()
     _put(fs, f"{root}/{PARTS_DIR}/m{member}.json", json.dumps(marker).encode())
@@ -147,8 +149,8 @@ def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, t
 
 
 def wait_for_parts(fs: Any, root: str, members: int, timeout: float, gone: Callable[[int], bool] = lambda member: False,
-                   ) -> list[dict[str, Any]]:
-    """The markers of members ``0..members-1`` under ``root``, once all are there. Raises
+                   tag: str = "") -> list[dict[str, Any]]:
+    """The markers of members ``0..members-1`` under ``root`` with ``tag``, once all are there. Raises
     :class:`PartMissing` as soon as a member whose part is missing is ``gone`` (it left the job, so
     its part will never come), or after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -160,7 +162,9 @@ def wait_for_parts(fs: Any, root: str, members: int, timeout: float, gone: Calla
             path = f"{root}/{PARTS_DIR}/m{member}.json"
             if fs.exists(path):
                 with fs.open(path, "rb") as f:
-                    found[member] = json.loads(f.read())
+                    marker = json.loads(f.read())
+                if marker.get("tag", "") == tag:  # (another's: an earlier try, replaced when this one's comes)
+                    found[member] = marker
         missing = [m for m in range(members) if m not in found]
         if not missing:
             return [found[m] for m in range(members)]
@@ -312,15 +316,15 @@ class PartsSaver(Saver):
         parts = meta.pop("parts")
         root = store.staging_dir(name, parts["tag"]) if store.local else store._path(name)
         if parts["member"] != 0:  # (a fault injected here: the member dies with its part written, unannounced)
-            write_part(store.fs, root, parts["member"], copy.pop("spans"), lambda: self.fault(step))
+            write_part(store.fs, root, parts["member"], copy.pop("spans"), lambda: self.fault(step), parts["tag"])
             return None
-        write_part(store.fs, root, 0, copy.pop("spans"))
+        write_part(store.fs, root, 0, copy.pop("spans"), tag=parts["tag"])
         buffer = MemoryFile(capacity=_tensor_bytes(copy) + (1 << 20))
         torch.save(copy.pop("train"), buffer)
         payload = buffer.getbuffer()
         _put(store.fs, f"{root}/{STATE_FILE}", payload)
         ids = parts["ids"]
-        markers = wait_for_parts(store.fs, root, len(ids), self.timeout, lambda m: self.gone(ids[m]))
+        markers = wait_for_parts(store.fs, root, len(ids), self.timeout, lambda m: self.gone(ids[m]), parts["tag"])
         files = merge(store.fs, root, markers, parts["sizes"])
         files[STATE_FILE] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": payload.nbytes}
         record = {"dir": PARTS_DIR, "members": len(ids), "sizes": parts["sizes"], "layout": parts["layout"]}

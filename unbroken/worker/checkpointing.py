@@ -160,10 +160,17 @@ class Checkpointing:
 
     def due_after(self, index: int) -> bool:
         """Whether rank 0 wants a checkpoint after step ``index`` (asked at a sharded optimizer's
-        barrier, which tells every member; :mod:`unbroken.worker.sharded_saving`)."""
+        barrier, which tells every member; :mod:`unbroken.worker.sharded_saving`). One due while the
+        previous write still runs is skipped, as :meth:`save` skips it, and said so."""
         job = self.job
-        return (self.schedule is not None and job.member_index == 0 and index + 1 < (job.total or 0)
-                and not self.saver.busy() and self.schedule.due(index + 1, time.monotonic()))
+        if (self.schedule is None or job.member_index != 0 or index + 1 >= (job.total or 0)
+                or not self.schedule.due(index + 1, time.monotonic())):
+            return False
+        if self.saver.busy():
+            self.schedule.began(time.monotonic())
+            self._skipped(index + 1)
+            return False
+        return True
 
     def _maybe_save_sharded(self) -> None:
         job = self.job
@@ -215,12 +222,15 @@ class Checkpointing:
         if self.schedule is not None:
             self.schedule.began(time.monotonic())  # a skipped save waits for the next interval too
         if stall is None:
-            message = f"checkpoint of step {job.next_step} skipped: the write of step {self.saver.writing} is still running"
-            log.warning("%s", message)
-            print(f"unbroken: {message}", flush=True)
-            job._events.emit("checkpoint_skipped", step=job.next_step, writing=self.saver.writing)
+            self._skipped(job.next_step)
         elif self.schedule is not None:
             self._save_cost, self._save_cost_pending = stall, True
+
+    def _skipped(self, step: int) -> None:
+        message = f"checkpoint of step {step} skipped: the write of step {self.saver.writing} is still running"
+        log.warning("%s", message)
+        print(f"unbroken: {message}", flush=True)
+        self.job._events.emit("checkpoint_skipped", step=step, writing=self.saver.writing)
 
     def _parts_of_sharded(self, group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """This member's share of a checkpoint with a sharded optimizer, and what its writer needs."""

@@ -106,13 +106,14 @@ def test_parts_must_cover_the_state_exactly_once(tmp_path):
         merge(store.fs, root, [only, twice], SIZES)
 
 
-def test_waiting_for_parts_returns_them_in_member_order_as_they_arrive(tmp_path):
+def test_waiting_for_parts_returns_them_in_member_order_as_they_arrive_and_ignores_an_earlier_trys(tmp_path):
     store = CheckpointStore(str(tmp_path))
     root = store._path("step-00000002")
-    late = threading.Timer(0.3, lambda: write_part(store.fs, root, 1, spans_of(1)))
+    write_part(store.fs, root, 1, spans_of(1), tag="g3")  # an earlier generation's try at this step
+    late = threading.Timer(0.3, lambda: write_part(store.fs, root, 1, spans_of(1), tag="g5"))
     late.start()
-    write_part(store.fs, root, 0, spans_of(0))
-    markers = wait_for_parts(store.fs, root, 2, timeout=30)
+    write_part(store.fs, root, 0, spans_of(0), tag="g5")
+    markers = wait_for_parts(store.fs, root, 2, timeout=30, tag="g5")  # member 1's earlier marker is not this try's
     late.join()
-    assert [m["member"] for m in markers] == [0, 1]
+    assert [(m["member"], m["tag"]) for m in markers] == [(0, "g5"), (1, "g5")]
     assert markers[1]["spans"] == [[0, 5, 10], [1, 2, 3]]
