@@ -194,3 +194,30 @@ def test_a_member_killed_while_it_writes_its_part_leaves_that_checkpoint_unpubli
     assert 10 not in saved and 15 in saved, saved  # rank 0 gave its write up when the member left, not after a timeout
     assert "checkpoint of step 10 failed" in run.stdout + run.stderr
     assert not os.path.exists(os.path.join(checkpoints, "step-00000010", "manifest.json"))
+
+
+def test_a_slow_store_skips_the_saves_due_while_a_write_runs_and_says_so(tmp_path, single):
+    """Every file takes a second more to write (a checkpoint's parts: several seconds, longer than the
+    collective timeout): saves due meanwhile are skipped, reported, never waited for; the final one is whole."""
+    from unbroken.storage.checkpoint import CheckpointStore
+
+    run_dir, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    run = harness.unbroken(
+        run_dir, "--nproc-per-node", "3", "--shard-optimizer", "--record-samples", "--heartbeat-interval", "0.25",
+        "--heartbeat-timeout", "1", "--progress-timeout", "1.5", "--collective-timeout", "3",
+        "--checkpoint-dir", f"slowfile://{ckpt}", "--checkpoint-every", "4",
+        harness.EXACT, "--steps", str(STEPS), "--step-delay", "0.1", "--slow-store", "--out", f"{run_dir}/final",
+        env={"UNBROKEN_TEST_WRITE_SECONDS": "1"},
+    )
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.events("failure") == [] and all(w["restarts"] == 0 for w in run.summary()["workers"])
+    skipped = run.events("checkpoint_skipped")
+    assert skipped and "skipped: the write of step" in run.stdout, run.stdout[-2000:]
+    published = CheckpointStore(ckpt).steps()
+    assert published[0] == STEPS and not {e["step"] for e in skipped} & set(published), (published, skipped)
+    for step in published:
+        manifest, _ = CheckpointStore(ckpt).read(step)  # every part verified
+        assert manifest["optimizer_parts"]["members"] == 3
+    harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
+    harness.check_same_model(f"{run_dir}/final", single["plain"], 3, tolerance=SAME)
+    harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no worker left behind")
