@@ -131,11 +131,20 @@ def incidents(events: list[dict[str, Any]], steps: list[dict[str, Any]], median_
     return found
 
 
-def state_loss_text(event: dict[str, Any], checkpointing: bool | None = None) -> str:
+def state_loss_text(event: dict[str, Any], checkpointing: bool | None = None, resumed_at: int | None = None) -> str:
     """What a ``state_lost`` event means for the user, in one sentence: which steps are trained
-    again and why; with ``checkpointing`` False, what to do about it next time."""
+    again and why; with ``checkpointing`` False, what to do about it next time; None: said as it
+    happens, before it is known whether a checkpoint is read. ``resumed_at``: the
+    step of the checkpoint the generation then read (its members held nothing: the event says step
+    0), where it really went on from."""
     start, lost = event.get("step"), event.get("lost")
+    if isinstance(resumed_at, int) and (not isinstance(start, int) or resumed_at > start):
+        start = resumed_at
     again = f"steps {start}-{lost - 1}" if isinstance(start, int) and isinstance(lost, int) and lost - 1 > start else f"from step {start}"
+    if checkpointing is None:  # said as it happens: whether a checkpoint is read next is not known yet
+        return (f"progress lost: generation {event.get('generation')} formed at step {start} though the job had reached step"
+                f" {lost} ({event.get('reason')}); it goes on from its newest checkpoint if there is one, else {again}"
+                " are trained again")
     text = (f"progress lost: generation {event.get('generation')} went on from step {start} though the job had reached step"
             f" {lost} ({event.get('reason')}); {again} are trained again")
     if checkpointing is False:
@@ -144,13 +153,14 @@ def state_loss_text(event: dict[str, Any], checkpointing: bool | None = None) ->
 
 
 def progress_lost(events: list[dict[str, Any]]) -> list[str]:
-    """What the run's ``state_lost`` events say (:func:`state_loss_text`), each noting whether a
-    checkpoint took the job back (a ``resume`` event after it) or none was configured."""
+    """What the run's ``state_lost`` events say (:func:`state_loss_text`), each from the step the
+    job went on from: a checkpoint's when one took the job back (the first ``resume`` event after it)."""
     lines = []
     for i, event in enumerate(events):
         if event.get("kind") == "state_lost":
-            resumed = any(e.get("kind") == "resume" for e in events[i + 1:])
-            lines.append(state_loss_text(event, checkpointing=resumed))
+            resume = next((e for e in events[i + 1:] if e.get("kind") == "resume"), None)
+            step = resume.get("step") if resume is not None else None
+            lines.append(state_loss_text(event, checkpointing=resume is not None, resumed_at=step if isinstance(step, int) else None))
     return lines
 
 

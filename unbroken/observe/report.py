@@ -19,7 +19,7 @@ import statistics
 import sys
 from typing import Any, Iterable, Sequence
 
-from unbroken.observe.incidents import EVIDENCE, INCIDENT_GAP, Incident, evidence, incidents, state_loss_text
+from unbroken.observe.incidents import EVIDENCE, INCIDENT_GAP, Incident, evidence, incidents, progress_lost
 from unbroken.observe.report_table import bad_lines_text, print_table
 from unbroken.observe.run_log import EVENTS_FILE, BadLine, Log, events_path, is_int, load, num
 from unbroken.observe.timeline import write_timeline
@@ -160,7 +160,7 @@ def analyze(log: Log) -> dict[str, Any]:
         "checkpoints": _checkpoint_figures([e for e in events if e["kind"] == "checkpoint"]),
         "finished": any(e["kind"] == "finished" for e in events),
         "job_failed": str(failed[0].get("reason")) if failed else None,
-        "progress_lost": [state_loss_text(e) for e in events if e["kind"] == "state_lost"],
+        "progress_lost": progress_lost(events),
         "incidents": _incident_rows(found, t0),
         "stragglers": _straggler_rows(events),
     }
