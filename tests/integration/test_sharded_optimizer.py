@@ -221,3 +221,20 @@ def test_a_slow_store_skips_the_saves_due_while_a_write_runs_and_says_so(tmp_pat
     harness.check_exactly_once(run.run_dir, STEPS, GLOBAL)
     harness.check_same_model(f"{run_dir}/final", single["plain"], 3, tolerance=SAME)
     harness.wait_for(lambda: not harness.alive_workers(run_dir), 30, "no worker left behind")
+
+
+def test_a_member_lost_while_it_writes_its_part_of_the_final_checkpoint_has_it_redone_whole(tmp_path, single):
+    """Rank 0 waits for the final checkpoint's parts watching the generation: the member's loss breaks
+    it, and the next generation (the restarted member healed in) writes the final checkpoint again."""
+    from unbroken.storage.checkpoint import CheckpointStore
+
+    checkpoints = str(tmp_path / "checkpoints")
+    run = sharded_run(tmp_path, f"kill@save,rank=2,step={STEPS}", launcher=("--checkpoint-dir", checkpoints, "--checkpoint-every", "10"))
+    check(run, single["plain"])
+    assert [(e["point"], e["step"]) for e in run.events("fault")] == [("save", STEPS)]
+    final = [e for e in run.events("checkpoint") if e["step"] == STEPS]
+    assert len(final) == 1 and final[0]["parts"] == 4, final
+    store = CheckpointStore(checkpoints)
+    assert store.steps()[0] == STEPS
+    manifest, _ = store.read(STEPS)  # every part verified
+    assert manifest["final"] and manifest["optimizer_parts"]["members"] == 4

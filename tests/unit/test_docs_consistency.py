@@ -108,6 +108,7 @@ ENV_FIELDS = {
     "UNBROKEN_CHECKPOINT_MTBF": "mtbf",
     "UNBROKEN_CHECKPOINT_MAX_INTERVAL": "max_interval",
     "UNBROKEN_CHECKPOINT_KEEP": "keep",
+    "UNBROKEN_CHECKPOINT_PART_TIMEOUT": "part_timeout",
 }
 """The checkpoint variables, whose field is not the variable's name less ``UNBROKEN_``."""
 

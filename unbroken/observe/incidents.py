@@ -154,13 +154,17 @@ def state_loss_text(event: dict[str, Any], checkpointing: bool | None = None, re
 
 def progress_lost(events: list[dict[str, Any]]) -> list[str]:
     """What the run's ``state_lost`` events say (:func:`state_loss_text`), each from the step the
-    job went on from: a checkpoint's when one took the job back (the first ``resume`` event after it)."""
+    job went on from: a checkpoint's when one took the job back (the first ``resume`` event after it,
+    before the next loss)."""
     lines = []
+    checkpointing = any(e.get("kind") == "resume" for e in events)
     for i, event in enumerate(events):
         if event.get("kind") == "state_lost":
-            resume = next((e for e in events[i + 1:] if e.get("kind") == "resume"), None)
+            later = events[i + 1:]
+            until = next((j for j, e in enumerate(later) if e.get("kind") == "state_lost"), len(later))
+            resume = next((e for e in later[:until] if e.get("kind") == "resume"), None)  # this loss's, not a later one's
             step = resume.get("step") if resume is not None else None
-            lines.append(state_loss_text(event, checkpointing=resume is not None, resumed_at=step if isinstance(step, int) else None))
+            lines.append(state_loss_text(event, checkpointing=checkpointing, resumed_at=step if isinstance(step, int) else None))
     return lines
 
 

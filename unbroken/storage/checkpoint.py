@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from unbroken.errors import UnbrokenError
+from unbroken.errors import ConfigError, UnbrokenError
 from unbroken.storage.checkpoint_schedule import DEFAULT_MAX_INTERVAL, Schedule, young_daly_interval  # noqa: F401  (re-exported)
 from unbroken.storage.checkpoint_settings import CheckpointSettings  # noqa: F401  (re-exported)
 from unbroken.storage.safe_unpickle import plain_data_globals
@@ -252,9 +252,12 @@ class CheckpointStore:
         if digest != expected.get("sha256"):
             raise CheckpointCorrupt(f"{self.url}/{name}: {file} does not match its checksum (corrupt)")
 
-    def load_latest(self) -> tuple[dict[str, Any], dict[str, Any], str] | None:
+    def load_latest(self, complete: Callable[[dict[str, Any], dict[str, Any]], None] = lambda state, manifest: None,
+                    ) -> tuple[dict[str, Any], dict[str, Any], str] | None:
         """The newest checkpoint that verifies: (state, manifest, location). Warns about and skips
-        the ones that do not; returns None if there is none."""
+        the ones that do not; returns None if there is none. ``complete(state, manifest)`` adds what
+        is not in ``state.pt`` (a sharded optimizer's parts); a checkpoint it cannot complete is
+        skipped too, except for a :class:`ConfigError` (it does not fit this job), which is raised."""
         for step in self.steps():
             try:
                 manifest, payload = self.read(step)
@@ -262,6 +265,9 @@ class CheckpointStore:
                 # what healing accepts, a checkpoint accepts (one allow-list)
                 with plain_data_globals():
                     state = torch.load(MemoryFile(payload), weights_only=True)
+                complete(state, manifest)
+            except ConfigError:
+                raise
             except CheckpointCorrupt as exc:
                 log.warning("skipping checkpoint: %s", exc)
                 print(f"unbroken: warning: skipping checkpoint {exc}", flush=True)

@@ -30,6 +30,10 @@ class CheckpointSettings:
     max_interval: float = DEFAULT_MAX_INTERVAL
     """The longest ``auto`` interval in seconds: at most this much training is redone after a loss
     nobody could foresee (``UNBROKEN_CHECKPOINT_MAX_INTERVAL``)."""
+    part_timeout: float = 600.0
+    """With ``shard_optimizer``: how long rank 0 waits for a member's part of a checkpoint while that
+    member is still in the save's generation; the checkpoint is then not published
+    (``UNBROKEN_CHECKPOINT_PART_TIMEOUT``; a member that left is not waited for)."""
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every != "auto":
@@ -43,6 +47,8 @@ class CheckpointSettings:
             raise ConfigError("checkpoint mtbf must be positive")
         if not self.max_interval > 0:
             raise ConfigError(f"checkpoint max interval must be a positive number of seconds, got {self.max_interval!r}")
+        if not self.part_timeout > 0:
+            raise ConfigError(f"checkpoint part timeout must be a positive number of seconds, got {self.part_timeout!r}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "CheckpointSettings":
@@ -57,6 +63,8 @@ class CheckpointSettings:
             keep = int(env.get("UNBROKEN_CHECKPOINT_KEEP", "3"))
             mtbf = float(env.get("UNBROKEN_CHECKPOINT_MTBF", "3600"))
             max_interval = float(env.get("UNBROKEN_CHECKPOINT_MAX_INTERVAL", str(DEFAULT_MAX_INTERVAL)))
+            part_timeout = float(env.get("UNBROKEN_CHECKPOINT_PART_TIMEOUT", "600"))
         except ValueError as exc:
-            raise ConfigError(f"bad UNBROKEN_CHECKPOINT_KEEP, UNBROKEN_CHECKPOINT_MTBF or UNBROKEN_CHECKPOINT_MAX_INTERVAL: {exc}") from None
-        return cls(env.get("UNBROKEN_CHECKPOINT_DIR") or None, every, keep, mtbf, max_interval)
+            raise ConfigError("bad UNBROKEN_CHECKPOINT_KEEP, UNBROKEN_CHECKPOINT_MTBF, UNBROKEN_CHECKPOINT_MAX_INTERVAL or"
+                              f" UNBROKEN_CHECKPOINT_PART_TIMEOUT: {exc}") from None
+        return cls(env.get("UNBROKEN_CHECKPOINT_DIR") or None, every, keep, mtbf, max_interval, part_timeout)

@@ -16,29 +16,30 @@ per-parameter state) beside it and publishes the checkpoint once every part is t
 
 The entries are named ``<group>/<start>-<end>/<entry>`` (Adam's ``exp_avg`` of elements
 ``start..end`` of parameter group ``group``), so ``dcp.load`` reads any of them and a member of a
-job at another member count reads exactly the spans its new partitions overlap (:func:`read_spans`).
+job at another member count reads the saved partitions its new spans overlap (:func:`read_spans`).
 The members write with no collective and no process group: the checkpoint's directory is where
 their parts meet (:func:`wait_for_parts`), so a write in the background never shares a group with
 training and outlives a change of membership; a part that never comes (its member died) leaves the
-checkpoint unpublished, as a cut-short write does.
+checkpoint unpublished, as a cut-short write does. The background writer is
+:class:`~unbroken.storage.parts_saver.PartsSaver`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 
-from unbroken.storage.checkpoint import FORMAT_WITH_PARTS, STATE_FILE, CheckpointStore, Saver
-from unbroken.storage.state_copy import MemoryFile, _tensor_bytes
+from unbroken.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 PARTS_DIR = "optimizer"
 """The sub-directory of a checkpoint that holds the optimizer's parts."""
@@ -57,6 +58,14 @@ class PartsIncomplete(OSError):
     """A checkpoint's parts do not cover every element of the optimizer state."""
 
 
+class PartsUnreadable(OSError):
+    """A checkpoint's parts could not be read (DCP's own error, a ``BaseException``, as an ``OSError``)."""
+
+
+class PartsMismatch(ConfigError):
+    """A checkpoint's optimizer state was written for other parameters than this job's optimizer has."""
+
+
 def entry_name(span: SpanKey, entry: str) -> str:
     """The DCP key of one entry of one span."""
     return f"{span[0]}/{span[1]}-{span[2]}/{entry}"
@@ -69,13 +78,11 @@ def parse_name(name: str) -> tuple[SpanKey, str]:
     return (int(group), int(start), int(end)), entry
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """DCP warns that it assumes a single process on every save and load without a process group: it does."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
-        yield
+# DCP warns on every save and load without a process group that it assumes a single process: it
+# does. Filtered once here (a per-call ``warnings.catch_warnings`` is not thread-safe, and the parts
+# are written from background threads).
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
 
 
 def _local(fs: Any) -> bool:
@@ -109,7 +116,7 @@ def sha256(fs: Any, path: str) -> dict[str, Any]:
     return {"sha256": digest.hexdigest(), "bytes": fs.size(path)}
 
 
-def _put(fs: Any, path: str, data: bytes | memoryview) -> None:
+def put_file(fs: Any, path: str, data: bytes | memoryview) -> None:
     """Write a small file whole: on a local file system under a temporary name, fsynced, renamed."""
     if not _local(fs):
         with fs.open(path, "wb") as f:
@@ -138,21 +145,27 @@ def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, t
     from torch.distributed.checkpoint import save
 
     state = {entry_name(span, k): v for span, entries in spans.items() for k, v in entries.items()}
-    with _quiet():
-        metadata = save(state, storage_writer=_writer(fs, where), no_dist=True)
+    metadata = save(state, storage_writer=_writer(fs, where), no_dist=True)
     names = sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
     marker = {"member": member, "tag": tag, "spans": sorted(list(s) for s in spans),
               "files": {f"{PARTS_DIR}/m{member}/{n}": sha256(fs, f"{where}/{n}") for n in names}}
     before_marker()
-    _put(fs, f"{root}/{PARTS_DIR}/m{member}.json", json.dumps(marker).encode())
+    put_marker(fs, root, member, marker)
     return marker
 
 
-def wait_for_parts(fs: Any, root: str, members: int, timeout: float, gone: Callable[[int], bool] = lambda member: False,
+def put_marker(fs: Any, root: str, member: int, marker: dict[str, Any]) -> None:
+    """Write member ``member``'s marker (its part is complete, or ``"failed"``: it will not come)."""
+    fs.makedirs(f"{root}/{PARTS_DIR}", exist_ok=True)
+    put_file(fs, f"{root}/{PARTS_DIR}/m{member}.json", json.dumps(marker).encode())
+
+
+def wait_for_parts(fs: Any, root: str, members: int, timeout: float, given_up: Callable[[], str | None] = lambda: None,
                    tag: str = "") -> list[dict[str, Any]]:
     """The markers of members ``0..members-1`` under ``root`` with ``tag``, once all are there. Raises
-    :class:`PartMissing` as soon as a member whose part is missing is ``gone`` (it left the job, so
-    its part will never come), or after ``timeout`` seconds."""
+    :class:`PartMissing` as soon as a member's marker says its part failed, or ``given_up()`` gives a
+    reason (the save's generation ended: a member left, or some did not commit the step), or after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     found: dict[int, dict[str, Any]] = {}
     while True:
@@ -164,15 +177,18 @@ def wait_for_parts(fs: Any, root: str, members: int, timeout: float, gone: Calla
                 with fs.open(path, "rb") as f:
                     marker = json.loads(f.read())
                 if marker.get("tag", "") == tag:  # (another's: an earlier try, replaced when this one's comes)
+                    if marker.get("failed"):
+                        raise PartMissing(f"member {member} could not write its part of the optimizer state: {marker['failed']}")
                     found[member] = marker
         missing = [m for m in range(members) if m not in found]
         if not missing:
             return [found[m] for m in range(members)]
-        left = [m for m in missing if gone(m)]
-        if left:
-            raise PartMissing(f"the optimizer state's part of member {left[0]} will not come: the member left the job")
+        reason = given_up()
+        if reason:
+            raise PartMissing(f"the optimizer state's parts of members {missing} will not come: {reason}")
         if time.monotonic() > deadline:
-            raise PartMissing(f"the optimizer state's parts of members {missing} did not arrive within {timeout:.0f} s")
+            raise PartMissing(f"the optimizer state's parts of members {missing} did not arrive within {timeout:.0f} s"
+                              " (UNBROKEN_CHECKPOINT_PART_TIMEOUT)")
         time.sleep(POLL_SECONDS)
 
 
@@ -204,15 +220,17 @@ def merge(fs: Any, root: str, markers: list[dict[str, Any]], sizes: list[int]) -
 
 
 def _check_cover(spans: list[SpanKey], sizes: list[int]) -> None:
+    """Raise :class:`PartsIncomplete` unless ``spans`` cover every element of every group once."""
     for g, size in enumerate(sizes):
         at = 0
         for _, start, end in sorted(s for s in spans if s[0] == g):
             if start != at:
-                break
+                what = "missing" if start > at else "held twice"
+                raise PartsIncomplete(f"the optimizer state's parts do not cover parameter group {g} once: elements"
+                                      f" {min(at, start)}..{max(at, start)} are {what}")
             at = end
         if at != size:
-            raise PartsIncomplete(f"the optimizer state's parts do not cover parameter group {g} (elements {at}..{size}"
-                                  " are missing or held twice)")
+            raise PartsIncomplete(f"the optimizer state's parts do not cover parameter group {g}: elements {at}..{size} are missing")
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -232,8 +250,18 @@ def read_spans(fs: Any, root: str, wanted: list[SpanKey], device: Callable[[int]
                ) -> dict[SpanKey, dict[str, torch.Tensor]]:
     """The state of each ``wanted`` span, assembled from the saved spans it overlaps (each read
     whole: at most one saved partition more than the span itself in memory at a time); per-span
-    entries (a step count) from the first. Raises :class:`PartsIncomplete` if some element of a
-    wanted span is in no saved one."""
+    entries (a step count) from the first; no entries for a group the optimizer keeps no state for
+    (the parts were checked to cover every group when they were published). Raises
+    :class:`PartsIncomplete` if some element of a wanted span is in no saved one."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return _read_spans(fs, root, wanted, device)
+    except CheckpointException as exc:
+        raise PartsUnreadable(f"the optimizer state's parts at {root} could not be read: {exc}") from None
+
+
+def _read_spans(fs: Any, root: str, wanted: list[SpanKey], device: Callable[[int], torch.device]) -> dict[SpanKey, dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint import load
 
     saved = saved_spans(fs, root)
@@ -241,6 +269,9 @@ def read_spans(fs: Any, root: str, wanted: list[SpanKey], device: Callable[[int]
     out: dict[SpanKey, dict[str, torch.Tensor]] = {}
     for want in wanted:
         g, start, end = want
+        if not any(s[0] == g for s in saved):  # an optimizer with no state for it (SGD without momentum)
+            out[want] = {}
+            continue
         pieces = sorted(s for s in saved if s[0] == g and s[1] < end and start < s[2])
         reach = start
         for piece in pieces:
@@ -252,8 +283,7 @@ def read_spans(fs: Any, root: str, wanted: list[SpanKey], device: Callable[[int]
         for piece in pieces:
             described = saved[piece]
             state = {entry_name(piece, k): torch.empty(shape, dtype=dtype) for k, (shape, dtype) in described.items()}
-            with _quiet():
-                load(state, storage_reader=_reader(fs, reader_path), no_dist=True)
+            load(state, storage_reader=_reader(fs, reader_path), no_dist=True)
             a, b = max(piece[1], start) - piece[1], min(piece[2], end) - piece[1]
             for k in described:
                 value = state[entry_name(piece, k)]
@@ -269,70 +299,19 @@ def per_parameter_state(fs: Any, root: str, layout: list[list[list[int]]], shape
     """The whole optimizer state in torch's ``state_dict`` form ({parameter index: {entry: tensor}}),
     for a job that does not shard (or a single process) resuming from a sharded one's checkpoint.
     ``layout`` is the manifest's: per parameter group, ``[parameter index, offset, numel]`` of each
-    parameter in the group's flat vector; ``shapes`` the parameters' shapes by index."""
+    parameter in the group's flat vector; ``shapes`` the parameters' shapes by index. Raises
+    :class:`PartsMismatch` before reading anything if they do not fit each other."""
+    for index, _, numel in (e for entries in layout for e in entries):
+        if index not in shapes or shapes[index].numel() != numel:
+            raise PartsMismatch(f"the checkpoint's optimizer state holds {numel} elements for parameter {index}, this job's"
+                                f" optimizer has {shapes[index].numel() if index in shapes else 'no such parameter'}")
     wanted = [(g, 0, sum(n for _, _, n in entries)) for g, entries in enumerate(layout) if entries]
     groups = read_spans(fs, root, wanted)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for (g, _, _), entries in groups.items():
+        if not entries:  # an optimizer that keeps no state (SGD without momentum) has none in torch's format either
+            continue
         for index, offset, numel in layout[g]:
             state[index] = {k: (v[offset : offset + numel].view(shapes[index]).clone() if v.dim() else v.clone())
                             for k, v in entries.items()}
     return state
-
-
-# -- the background writer -------------------------------------------------------------------------
-
-PART_TIMEOUT = 600.0
-"""How long rank 0 waits for a member's part of a checkpoint when that member is still in the job
-(one that left is not waited for): the checkpoint is then not published, as a write cut short."""
-
-
-class PartsSaver(Saver):
-    """Every member's writer of checkpoints with a sharded optimizer: in the background, each member
-    writes its part (:func:`write_part`); rank 0 also writes ``state.pt`` and publishes the
-    checkpoint once every part is there (:func:`wait_for_parts`, :func:`merge`).
-
-    ``save(step, {"train": state or None, "spans": {span: entries}}, meta)``: ``meta`` carries the
-    manifest's fields and ``"parts"``: this member's index, the members' ids (by index), the tag
-    every member names the staging directory with, the groups' sizes and the layout.
-    ``gone(member_id)`` says whether a member has left the job (its part will never come)."""
-
-    def __init__(self, store: CheckpointStore, keep: int, on_done: Callable[[dict[str, Any]], None],
-                 fault: Callable[[int], None] = lambda step: None, gone: Callable[[str], bool] = lambda member: False,
-                 timeout: float = PART_TIMEOUT) -> None:
-        super().__init__(store, keep, on_done, fault)
-        self.gone = gone
-        self.timeout = timeout
-
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> float | None:
-        """As :meth:`Saver.save`, but a member other than rank 0 never skips its part (rank 0, which
-        asked for the save, is not writing; a part of the previous save still in flight is waited for)."""
-        if meta["parts"]["member"] != 0 and self.busy():
-            self.wait()
-        return super().save(step, state, meta)
-
-    def _write(self, step: int, copy: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any] | None:
-        store, name = self.store, self.store.name(step)
-        parts = meta.pop("parts")
-        root = store.staging_dir(name, parts["tag"]) if store.local else store._path(name)
-        if parts["member"] != 0:  # (a fault injected here: the member dies with its part written, unannounced)
-            write_part(store.fs, root, parts["member"], copy.pop("spans"), lambda: self.fault(step), parts["tag"])
-            return None
-        write_part(store.fs, root, 0, copy.pop("spans"), tag=parts["tag"])
-        buffer = MemoryFile(capacity=_tensor_bytes(copy) + (1 << 20))
-        torch.save(copy.pop("train"), buffer)
-        payload = buffer.getbuffer()
-        _put(store.fs, f"{root}/{STATE_FILE}", payload)
-        ids = parts["ids"]
-        markers = wait_for_parts(store.fs, root, len(ids), self.timeout, lambda m: self.gone(ids[m]), parts["tag"])
-        files = merge(store.fs, root, markers, parts["sizes"])
-        files[STATE_FILE] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": payload.nbytes}
-        record = {"dir": PARTS_DIR, "members": len(ids), "sizes": parts["sizes"], "layout": parts["layout"]}
-        manifest = store.manifest(step, files, {**meta, "optimizer_parts": record}, FORMAT_WITH_PARTS)
-        if store.local:
-            store.move_into_place(root, name)
-        self.fault(step)
-        store.publish(name, manifest)
-        deleted = store.retain(self.keep, just_written=step)
-        return {"location": f"{store.url}/{name}", "bytes": sum(f["bytes"] for f in files.values()), "deleted": deleted,
-                "parts": len(ids)}

@@ -39,8 +39,9 @@ class Checkpointing:
         self._step_ema: float | None = None
         self._save_cost = 0.0
         self._save_cost_pending = False
-        self.resumed_parts = False
-        """The checkpoint this member resumed from holds the optimizer state in its owners' parts."""
+        self.resumed_parts: dict[str, Any] | None = None
+        """The manifest's record of the optimizer's parts, when the checkpoint this member resumed
+        from holds the optimizer state in its owners' parts."""
 
     def open(self, resume: bool) -> None:
         """Open the checkpoint directory; a member that starts a job (nobody holds live state)
@@ -56,9 +57,10 @@ class Checkpointing:
 
             self.saver = ShardedSaver(self.store, job.checkpoint.keep, self._done, job._group.checkpoint_group, job.model)
         elif job._sharded is not None:
-            from unbroken.storage.optimizer_parts import PartsSaver
+            from unbroken.storage.parts_saver import PartsSaver
 
-            self.saver = PartsSaver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s), self._left)
+            self.saver = PartsSaver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s),
+                                    self._given_up, job.checkpoint.part_timeout)
         else:
             self.saver = Saver(self.store, job.checkpoint.keep, self._done, lambda s: job._chaos.point("save", s))
         if job.checkpoint.every is not None:
@@ -86,18 +88,17 @@ class Checkpointing:
     def resume(self) -> None:
         """Load the newest checkpoint that verifies, if there is one."""
         job = self.job
+        self.resumed_parts = None
         if job._group is not None:
             self._resume_sharded()
             return
-        found = self.store.load_latest()
+        found = self.store.load_latest(self._complete)
         if found is None:
             if self.store.steps() or _has_entries(self.store):
                 print(f"unbroken: warning: no valid checkpoint in {job.checkpoint.directory}; starting from step 0", flush=True)
             return
         state, manifest, location = found
-        self.resumed_parts = "optimizer_parts" in manifest
-        if self.resumed_parts and job._sharded is None:  # not sharded here: the whole state, in torch's format
-            state["optimizer"]["state"] = self._whole_optimizer_state(manifest)
+        self.resumed_parts = manifest.get("optimizer_parts")
         job._load(state)
         self._resumed(manifest)
         job.fresh = False
@@ -107,22 +108,29 @@ class Checkpointing:
         print(f"unbroken: resumed from step {job.next_step} of {location}", flush=True)
         job._events.emit("resume", step=job.next_step, location=location)
 
-    def _whole_optimizer_state(self, manifest: dict[str, Any]) -> dict[int, Any]:
+    def _complete(self, state: dict[str, Any], manifest: dict[str, Any]) -> None:
+        """A checkpoint whose optimizer state is in its owners' parts, read by a job that does not
+        shard (or a single process): the whole state into ``state``, in torch's own format (raises,
+        and the checkpoint is skipped, if the parts cannot be read; :class:`ConfigError` if they were
+        written for other parameters). A sharded job reads its own spans later (the re-partition)."""
+        if "optimizer_parts" not in manifest or self.job._sharded is not None:
+            return
         from unbroken.storage.optimizer_parts import per_parameter_state
         from unbroken.worker.sharded_saving import parameter_shapes
 
         root = self.store._path(self.store.name(int(manifest["step"])))
-        try:
-            return per_parameter_state(self.store.fs, root, manifest["optimizer_parts"]["layout"], parameter_shapes(self.job.optimizer))
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise ConfigError(f"the optimizer state of the checkpoint at {self.store.url}/{self.store.name(int(manifest['step']))}"
-                              f" does not fit this job's optimizer ({exc}): resume with the same model and optimizer,"
-                              " or from another checkpoint directory") from None
+        state["optimizer"]["state"] = per_parameter_state(self.store.fs, root, manifest["optimizer_parts"]["layout"],
+                                                          parameter_shapes(self.job.optimizer))
 
-    def _left(self, member: str) -> bool:
-        """Whether ``member`` is not in this member's current generation (a part it owes will not come)."""
-        group = self.job._joiner.group
-        return group is not None and member not in group.members
+    def _given_up(self, generation: int) -> str | None:
+        """Why the parts of a save of ``generation`` may never all come (a member left, or some did
+        not commit the step), or None while the generation holds (asked from the writer's thread)."""
+        joiner = self.job._joiner
+        group = joiner.group
+        if group is None or group.number != generation:
+            return f"generation {generation} ended before every member had written its part"
+        reason = joiner.abandon_reason(generation)
+        return f"generation {generation} is being abandoned ({reason})" if reason else None
 
     def _resumed(self, manifest: dict[str, Any]) -> None:
         """The job resumed from a checkpoint: unless it was the job's final one, every live copy of
@@ -177,8 +185,8 @@ class Checkpointing:
         if self.schedule is not None and job.member_index == 0:
             self._account_save_cost(time.monotonic())
         if job._sharded.save_due:
-            job._sharded.save_due = False
-            self.save()
+            tag, job._sharded.save_due = f"g{job._joiner.group.number}-{job._sharded.save_due:x}", 0
+            self.save(tag=tag)
 
     def _account_save_cost(self, now: float) -> None:
         """What a save costs training: its stall plus how much longer the steps took while it was
@@ -201,7 +209,7 @@ class Checkpointing:
             return  # the step that saw the write finish is not a healthy sample
         self._step_ema = seconds if self._step_ema is None else 0.9 * self._step_ema + 0.1 * seconds
 
-    def save(self, skip: bool = False, final: bool = False) -> None:
+    def save(self, skip: bool = False, final: bool = False, tag: str = "") -> None:
         """Snapshot the state and write it in the background; skipped (never waited for) while
         the previous write is still running, so that a slow store never holds up a collective.
         A replica group's processes each write their shards (:class:`ShardedSaver`)."""
@@ -215,7 +223,7 @@ class Checkpointing:
             if job._group is not None:
                 state = self._sharded_state()
             elif job._sharded is not None:  # every member: its part; rank 0: the rest too
-                state, meta["parts"] = self._parts_of_sharded(group)
+                state, meta["parts"] = self._parts_of_sharded(group, tag or f"g{group.number}-final")
             else:
                 state = job._state()
             stall = None if skip else self.saver.save(job.next_step, state, meta)
@@ -232,14 +240,16 @@ class Checkpointing:
         print(f"unbroken: {message}", flush=True)
         self.job._events.emit("checkpoint_skipped", step=step, writing=self.saver.writing)
 
-    def _parts_of_sharded(self, group: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """This member's share of a checkpoint with a sharded optimizer, and what its writer needs."""
+    def _parts_of_sharded(self, group: Any, tag: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This member's share of a checkpoint with a sharded optimizer, and what its writer needs
+        (``tag``: what every member names this save with, from the barrier that asked for it)."""
         from unbroken.worker import sharded_saving
 
         job = self.job
         sharded = job._sharded
         state = {"train": job._state() if group.rank == 0 else None, "spans": sharded_saving.owned(sharded, group.rank, group.size)}
-        parts = {"member": group.rank, "ids": list(group.members), "tag": f"g{group.number}", "sizes": list(sharded.sizes),
+        parts = {"member": group.rank, "ids": list(group.members), "generation": group.number, "tag": tag,
+                 "sizes": list(sharded.sizes),
                  "layout": sharded_saving.layout_record(sharded)}
         return state, parts
 
@@ -307,9 +317,12 @@ class Checkpointing:
         try:
             with job._joiner.busy("checkpoint write"):
                 self.saver.wait()
-                # every member writes its part of a sharded optimizer's state; rank 0 waits for them all
+                # every member writes its part of a sharded optimizer's state; rank 0 waits for them all,
+                # watching the generation: a member lost meanwhile sends every member to redo it
                 if self.schedule is not None and (job.member_index == 0 or job._sharded is not None):
                     self.save(final=True)
+                    if job._sharded is not None and job.member_index == 0:
+                        job._joiner.group.watch_unbounded(lambda: not self.saver.busy(), "the final checkpoint's parts", 0.05)
                     self.saver.wait()
             if self.schedule is not None:
                 if job.member_index == 0:

@@ -49,9 +49,9 @@ class Healer:
             if group.rank == 0:
                 with job._joiner.busy("reading a checkpoint"):
                     job._checkpointing.resume()
-                if job._sharded is not None and not sharded_saving.adopt_loaded(job._sharded, job.next_step) \
-                        and job._checkpointing.resumed_parts:  # its owners' parts: each member reads its own below
-                    sharded_saving.adopt_parts(job._sharded, job.next_step)
+                parts = job._checkpointing.resumed_parts
+                if job._sharded is not None and not sharded_saving.adopt_loaded(job._sharded, job.next_step) and parts:
+                    sharded_saving.adopt_parts(job._sharded, job.next_step, parts)  # each member reads its own below
                 group.set_flag("resume-read")
             else:
                 group.wait_flag("resume-read", "waiting for a checkpoint to be read")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from unbroken.errors import GenerationFailed
+from unbroken.errors import GenerationFailed, JobCannotGoOn
 from unbroken.worker import sharded_saving, state_digests
 from unbroken.worker.shard_moves import ShardedStateLost, holdings_table, move
 from unbroken.worker.shard_plan import Span, buddy_shift, cover, held_spans
@@ -148,6 +148,20 @@ def _broadcast(group: Any, tensor: torch.Tensor, src: int, what: str) -> None:
     group.wait(issue(group, lambda: group.pg.broadcast([tensor], options), what), what)
 
 
+READ_TRIES = 3
+"""Generations in a row in which a member may fail to read its spans from a checkpoint before the job
+ends saying why (a store that comes back is read in the next one)."""
+
+
+def _unreadable(job: Any, sharded: ShardedOptimizer, group: Any, reason: str) -> None:
+    sharded.read_failures += 1
+    if sharded.read_failures >= READ_TRIES:
+        job._joiner.report_job_failure(reason)
+        raise JobCannotGoOn(f"the job cannot go on: {reason} ({READ_TRIES} times; the checkpoint stays: fix the store,"
+                            " or move that checkpoint away to go on from an older one)")
+    raise GenerationFailed(f"generation {group.number}: {reason}")
+
+
 def reshard(job: Any, group: Any) -> None:
     """Step 3 of the module's docstring; raises :class:`GenerationFailed` if the group breaks."""
     sharded: ShardedOptimizer = job._sharded
@@ -161,8 +175,7 @@ def reshard(job: Any, group: Any) -> None:
         try:
             new, moved = sharded_saving.read_parts(sharded, job.checkpoint.directory, at, wanted[group.rank])
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
-            raise GenerationFailed(f"generation {group.number}: reading this member's optimizer state from the checkpoint"
-                                   f" of step {at} failed: {exc}") from None
+            _unreadable(job, sharded, group, f"reading this member's optimizer state from the checkpoint of step {at} failed: {exc}")
         job._chaos.point("reshard", at)
     else:
         new, moved = move(sharded, group, wanted, at, "sharded state: re-partition", lambda: job._chaos.point("reshard", at))
@@ -178,6 +191,6 @@ def reshard(job: Any, group: Any) -> None:
             h.master = sharded.read(h.span)
         raise
     sharded.hold(new)
-    sharded.shard_step, sharded.in_checkpoint = at, False
+    sharded.shard_step, sharded.in_checkpoint, sharded.read_failures = at, False, 0
     job._events.emit("reshard", generation=group.number, step=at, members=n, spans=len(new), bytes_received=moved,
                      from_checkpoint=from_checkpoint, state_bytes=sharded.state_bytes(), seconds=round(time.monotonic() - started, 6))

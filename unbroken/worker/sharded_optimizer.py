@@ -29,6 +29,7 @@ whole would): :data:`ELEMENTWISE`. Others are refused by name, with what to do.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -105,13 +106,16 @@ class ShardedOptimizer:
         self.in_checkpoint = False
         """Set on the member that resumed from a checkpoint whose optimizer state is in parts: every
         member reads its spans from there at the re-partition (:mod:`unbroken.worker.sharded_saving`)."""
+        self.read_failures = 0
+        """Re-partitions in a row in which this member could not read its spans from that checkpoint."""
         self.inner: torch.optim.Optimizer | None = None
         self._group: Any = None
         self._step_index = -1
         self._chaos: Callable[[str, int], None] = lambda point, step: None
         self._wants_save: Callable[[], bool] = lambda: False
-        self.save_due = False
-        """Set by a step's barrier: rank 0 asked for a checkpoint after this step (:mod:`unbroken.worker.sharded_saving`)."""
+        self.save_due = 0
+        """Set by a step's barrier: rank 0 asked for a checkpoint after this step, named by this number
+        (:mod:`unbroken.worker.sharded_saving`; 0: none)."""
         self._allowed = allowed
         self._stages: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -193,7 +197,7 @@ class ShardedOptimizer:
         """The next ``face.step()`` (from :meth:`Step.commit`, directly or through a GradScaler)
         is step ``step_index`` of ``group``; ``wants_save()`` is rank 0's wish for a checkpoint after it."""
         self._group, self._step_index, self._chaos, self._wants_save = group, step_index, chaos, wants_save
-        self.save_due = False  # a step that failed after its barrier said so saves nothing: the members differ
+        self.save_due = 0  # a step that failed after its barrier said so saves nothing: the members differ
 
     def _face_step(self, closure: Any = None) -> None:
         self._allowed()
@@ -207,11 +211,12 @@ class ShardedOptimizer:
         self._load_grads()
         what = f"step {self._step_index}: sharded optimizer"
         try:
-            barrier = torch.tensor([1.0, float(self._wants_save())], dtype=torch.float64, device=group.device)
+            wish = secrets.randbits(40) + 1 if self._wants_save() else 0  # names the save: the same on every member
+            barrier = torch.tensor([1.0, float(wish)], dtype=torch.float64, device=group.device)
             work = issue(group, lambda: group.pg.allreduce([barrier]), f"{what} barrier")
             self._chaos("barrier", self._step_index)
             group.wait(work, f"{what} barrier")
-            self.save_due = bool(barrier[1] > 0)
+            self.save_due = int(barrier[1])
         except GenerationFailed:
             self.pending = Pending(READY, None)
             raise

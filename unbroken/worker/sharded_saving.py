@@ -10,7 +10,8 @@ every member knows it at the same step with no collective of its own.
 
 Resuming, at any member count: rank 0 reads ``state.pt`` (no optimizer state in it) and the job is
 healed from it as always; then each member reads from the checkpoint's parts exactly the spans its
-partitions of the new plan overlap (:func:`read_parts`, from the re-partition). A job that does not
+partitions of the new plan overlap (:func:`read_parts`, from the re-partition: each saved
+partition it overlaps is read whole, then sliced). A job that does not
 shard, or a single process, reads the whole state into its optimizer in torch's own format
 (:func:`~unbroken.storage.optimizer_parts.per_parameter_state`). A plain checkpoint (written without
 sharding, or by an earlier version) is loaded by rank 0 whole, and :func:`adopt_loaded` turns it
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from unbroken.errors import ConfigError
 from unbroken.worker.shard_plan import Span, partition_spans
 from unbroken.worker.sharded_optimizer import Holding, ShardedOptimizer
 
@@ -31,8 +33,10 @@ def owned(sharded: ShardedOptimizer, rank: int, n: int) -> dict[tuple[int, int, 
     """The state of the spans member ``rank`` of ``n`` owns, as views of what it holds (the saver copies them)."""
     out = {}
     for span in partition_spans(sharded.sizes, n, rank):
-        holding = next(h for h in sharded.holdings
-                       if h.span.group == span.group and h.span.start <= span.start and span.end <= h.span.end)
+        holding = next((h for h in sharded.holdings
+                        if h.span.group == span.group and h.span.start <= span.start and span.end <= h.span.end), None)
+        if holding is None:  # (a re-partition gives every member its own partition before any step)
+            raise RuntimeError(f"member {rank} of {n} does not hold its own span {span} of the optimizer state to save it")
         at = span.start - holding.span.start
         out[(span.group, span.start, span.end)] = {k: (v[at : at + span.size] if v.dim() else v)
                                                    for k, v in holding.state.items() if isinstance(v, torch.Tensor)}
@@ -78,16 +82,21 @@ def adopt_loaded(sharded: ShardedOptimizer, at: int) -> bool:
     return True
 
 
-def adopt_parts(sharded: ShardedOptimizer, at: int) -> None:
-    """Rank 0 resumed from a checkpoint whose optimizer state is in parts: it holds nothing yet; the
-    re-partition has every member read its spans of step ``at`` (:func:`read_parts`)."""
+def adopt_parts(sharded: ShardedOptimizer, at: int, record: dict[str, Any]) -> None:
+    """Rank 0 resumed from a checkpoint whose optimizer state is in parts (``record``, the manifest's):
+    it holds nothing yet; the re-partition has every member read its spans of step ``at``
+    (:func:`read_parts`). Raises :class:`ConfigError` if the parts were written for other parameters."""
+    if record.get("layout") != layout_record(sharded) or record.get("sizes") != list(sharded.sizes):
+        raise ConfigError("the checkpoint's optimizer state was written for other parameters than this job's optimizer"
+                          f" steps (parameter groups of {record.get('sizes')} elements, this job's {list(sharded.sizes)},"
+                          " or another order): resume with the same model and optimizer, or from another checkpoint directory")
     sharded.holdings, sharded.shard_step, sharded.pending, sharded.in_checkpoint = [], at, None, True
 
 
 def read_parts(sharded: ShardedOptimizer, directory: str, at: int, wanted: list[Span]) -> tuple[list[Holding], int]:
     """This member's ``wanted`` spans, read from the parts of checkpoint ``at`` under ``directory``
     (which the member that resumed verified whole); returns the holdings (masters not made yet) and
-    the bytes read."""
+    the bytes of state they hold. Raises ``OSError`` if they cannot be read."""
     from unbroken.storage.checkpoint import CheckpointStore
     from unbroken.storage.optimizer_parts import read_spans
 

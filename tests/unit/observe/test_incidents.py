@@ -19,3 +19,11 @@ def test_a_loss_without_a_checkpoint_says_what_to_do_and_the_live_line_does_not_
     assert "went on from step 0" in line and "steps 0-11 are trained again" in line and "use --checkpoint-dir" in line
     live = state_loss_text(LOST)
     assert "formed at step 0" in live and "goes on from its newest checkpoint if there is one, else steps 0-11" in live
+
+
+def test_each_loss_is_told_with_its_own_resume_not_a_later_losss():
+    second = {**LOST, "generation": 9, "step": 0, "lost": 30}
+    first_line, second_line = progress_lost([LOST, second, {"kind": "resume", "step": 25, "location": "ck"}])
+    assert "went on from step 0" in first_line  # no checkpoint took it back (it went on from the best state left)
+    assert "--checkpoint-dir" not in first_line  # though the job had checkpoints
+    assert "went on from step 25" in second_line and "steps 25-29 are trained again" in second_line

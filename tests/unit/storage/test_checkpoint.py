@@ -1,6 +1,7 @@
 """Durable checkpoints: atomic publish, verification, retention, resume, and s3:// (moto)."""
 
 import dataclasses
+import io
 import json
 import os
 import time
@@ -357,3 +358,27 @@ def test_a_memory_file_holds_what_torch_saves_byte_for_byte_and_loads_it_back():
     assert bytes(small.getbuffer()) == reference.getvalue()
     loaded = torch.load(MemoryFile(bytes(small.getbuffer())), weights_only=True)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["meta"] == state["meta"]
+
+
+def test_a_checkpoint_that_cannot_be_completed_is_skipped_but_one_for_another_job_is_refused(tmp_path):
+    from unbroken.errors import ConfigError
+
+    store = CheckpointStore(str(tmp_path))
+    for step in (3, 6):
+        buffer = io.BytesIO()
+        torch.save({"step": step}, buffer)
+        store.write(step, buffer.getvalue(), {})
+        time.sleep(0.01)  # newest by write time
+
+    def unreadable_parts(state, manifest):
+        if manifest["step"] == 6:
+            raise OSError("part gone")
+
+    state, manifest, _ = store.load_latest(unreadable_parts)
+    assert manifest["step"] == 3 and state == {"step": 3}
+
+    def other_parameters(state, manifest):
+        raise ConfigError("written for other parameters")
+
+    with pytest.raises(ConfigError):
+        store.load_latest(other_parameters)

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from unbroken.storage.checkpoint import FORMAT_WITH_PARTS, CheckpointCorrupt, CheckpointStore
-from unbroken.storage.optimizer_parts import (PARTS_DIR, PartMissing, PartsIncomplete, PartsSaver, merge, read_spans,
-                                              wait_for_parts, write_part)
+from unbroken.errors import ConfigError
+from unbroken.storage.optimizer_parts import (PARTS_DIR, PartMissing, PartsIncomplete, PartsMismatch, merge, per_parameter_state,
+                                              read_spans, wait_for_parts, write_part)
+from unbroken.storage.parts_saver import PartsSaver
 
 SIZES = [10, 3]
+LAYOUT = [[[0, 0, 10]], [[1, 0, 3]]]
 
 
 def spans_of(member, n=2):
@@ -29,15 +32,15 @@ def spans_of(member, n=2):
 
 def part_state(member, members=("a.w0.r0", "a.w1.r0")):
     train = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {}, "param_groups": []}} if member == 0 else None
-    meta = {"generation": 4, "parts": {"member": member, "ids": list(members), "tag": "g4", "sizes": SIZES,
-                                       "layout": [[[0, 0, 10]], [[1, 0, 3]]]}}
+    meta = {"generation": 4, "parts": {"member": member, "ids": list(members), "generation": 4, "tag": "g4-1f",
+                                       "sizes": SIZES, "layout": LAYOUT}}
     return {"train": train, "spans": spans_of(member)}, meta
 
 
-def save_both(store, gone=lambda member: False, timeout=30.0, skip=()):
+def save_both(store, given_up=lambda generation: None, timeout=30.0, skip=()):
     """Members 1 and 0 save step 6, each with its own saver, as two processes would; returns rank 0's saver."""
     done = []
-    savers = [PartsSaver(store, 3, done.append, gone=gone, timeout=timeout) for _ in range(2)]
+    savers = [PartsSaver(store, 3, done.append, given_up=given_up, timeout=timeout) for _ in range(2)]
     for member in (1, 0):
         if member not in skip:
             state, meta = part_state(member)
@@ -77,13 +80,51 @@ def test_rank_zero_publishes_once_every_part_is_there_and_a_read_verifies_every_
 def test_a_part_that_never_comes_leaves_the_checkpoint_unpublished(tmp_path):
     store = CheckpointStore(str(tmp_path))
     started = time.monotonic()
-    saver, done = save_both(store, gone=lambda member: member == "a.w1.r0", skip=(1,))
-    assert time.monotonic() - started < 20  # it did not wait for the part of a member that left
-    assert isinstance(saver.error, PartMissing) and "member 1" in str(saver.error)
+    saver, done = save_both(store, given_up=lambda generation: f"generation {generation} ended", skip=(1,))
+    assert time.monotonic() - started < 20  # it did not wait for the part of a generation that ended
+    assert isinstance(saver.error, PartMissing) and "generation 4 ended" in str(saver.error)
     assert store.steps() == [] and not done
     # a member still in the job but whose part does not come: given up after the timeout
     saver, done = save_both(CheckpointStore(str(tmp_path / "other")), timeout=0.5, skip=(1,))
     assert isinstance(saver.error, PartMissing) and "did not arrive within" in str(saver.error)
+
+
+def test_a_member_that_cannot_write_its_part_says_so_and_rank_zero_stops_waiting(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    member = PartsSaver(store, 3, lambda info: None)
+    state, meta = part_state(1)
+    state["spans"][(0, 5, 10)]["exp_avg"] = object()  # not a tensor: DCP cannot write it
+    member.save(6, state, meta)
+    member.wait(30)
+    assert member.error is not None
+    rank0 = PartsSaver(store, 3, lambda info: None, timeout=600)
+    state, meta = part_state(0)
+    started = time.monotonic()
+    rank0.save(6, state, meta)
+    rank0.wait(60)
+    assert time.monotonic() - started < 30 and isinstance(rank0.error, PartMissing), rank0.error
+    assert "member 1 could not write its part" in str(rank0.error) and store.steps() == []
+
+
+def test_a_member_still_writing_its_previous_part_refuses_the_next_without_waiting(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    member = PartsSaver(store, 3, lambda info: None)
+    gate = threading.Event()
+    member._write = lambda step, copy, meta: gate.wait(30)  # a store that takes its time
+    state, meta = part_state(1)
+    assert member.save(6, state, meta) is not None
+    state, meta = part_state(1)
+    meta["parts"]["tag"] = "g4-2a"
+    started = time.monotonic()
+    assert member.save(9, state, meta) is None and time.monotonic() - started < 5  # never blocks training
+    marker = store._path(f".step-00000009.tmp-g4-2a/{PARTS_DIR}/m1.json")
+    deadline = time.monotonic() + 30
+    while not store.fs.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(PartMissing, match="still being written"):
+        wait_for_parts(store.fs, store._path(".step-00000009.tmp-g4-2a"), 2, timeout=30, tag="g4-2a")
+    gate.set()
+    member.wait(30)
 
 
 def test_a_leftover_of_the_same_step_with_parts_is_replaced(tmp_path):
@@ -104,6 +145,22 @@ def test_parts_must_cover_the_state_exactly_once(tmp_path):
     twice = write_part(store.fs, root, 1, spans_of(0))  # member 1 wrote member 0's spans
     with pytest.raises(PartsIncomplete):
         merge(store.fs, root, [only, twice], SIZES)
+    whole = write_part(store.fs, root, 2, {(0, 0, 10): {"exp_avg": torch.zeros(10)}, (1, 0, 3): {"exp_avg": torch.zeros(3)}})
+    with pytest.raises(PartsIncomplete, match="held twice"):  # every element covered, some twice
+        merge(store.fs, root, [whole, only], SIZES)
+
+
+def test_an_optimizer_without_state_and_a_job_of_other_parameters(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    root = store._path("step-00000001")
+    stateless = {span: {} for span in spans_of(0)} | {span: {} for span in spans_of(1)}  # SGD without momentum
+    merge(store.fs, root, [write_part(store.fs, root, 0, stateless)], SIZES)
+    assert read_spans(store.fs, root, [(0, 2, 7), (1, 0, 3)]) == {(0, 2, 7): {}, (1, 0, 3): {}}
+    shapes = {0: torch.Size([2, 5]), 1: torch.Size([3])}
+    assert per_parameter_state(store.fs, root, LAYOUT, shapes) == {}  # as torch's SGD holds none
+    with pytest.raises(PartsMismatch, match="holds 10 elements for parameter 0"):
+        per_parameter_state(store.fs, root, LAYOUT, {0: torch.Size([11]), 1: torch.Size([3])})
+    assert issubclass(PartsMismatch, ConfigError)
 
 
 def test_waiting_for_parts_returns_them_in_member_order_as_they_arrive_and_ignores_an_earlier_trys(tmp_path):

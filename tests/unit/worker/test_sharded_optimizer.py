@@ -122,6 +122,20 @@ def test_a_checkpoints_parts_read_as_one_dcp_checkpoint_by_users_tools(tmp_path)
     torch.testing.assert_close(state[key], holding.state["exp_avg"], rtol=0, atol=0)
 
 
+def test_a_resume_from_parts_written_for_other_parameters_is_refused_before_reading():
+    face, sharded = _sharded(_model(), n=2)
+    record = {"layout": sharded_saving.layout_record(sharded), "sizes": list(sharded.sizes)}
+    sharded_saving.adopt_parts(sharded, 5, record)
+    assert sharded.in_checkpoint and sharded.shard_step == 5 and not sharded.holdings
+    other_face, other = _sharded(_model(), n=2)
+    other_face.param_groups.reverse()  # the same parameters, grouped in another order
+    other.layout.reverse()
+    other.sizes.reverse()
+    with pytest.raises(ConfigError, match="written for other parameters"):
+        sharded_saving.adopt_parts(other, 5, record)
+    assert not other.in_checkpoint
+
+
 class _TwoMembers:
     """A group of two members where the other holds ``other``'s row (verify_shards' exchange)."""
 
