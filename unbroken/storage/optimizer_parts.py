@@ -145,7 +145,12 @@ def write_part(fs: Any, root: str, member: int, spans: dict[SpanKey, dict[str, t
     from torch.distributed.checkpoint import save
 
     state = {entry_name(span, k): v for span, entries in spans.items() for k, v in entries.items()}
-    metadata = save(state, storage_writer=_writer(fs, where), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        metadata = save(state, storage_writer=_writer(fs, where), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: as an OSError, so that callers' handlers see it
+        raise OSError(f"member {member}'s part could not be written under {where}: {exc}") from None
     names = sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
     marker = {"member": member, "tag": tag, "spans": sorted(list(s) for s in spans),
               "files": {f"{PARTS_DIR}/m{member}/{n}": sha256(fs, f"{where}/{n}") for n in names}}
