@@ -230,11 +230,15 @@ def test_a_member_lost_while_it_writes_its_part_of_the_final_checkpoint_has_it_r
 
     checkpoints = str(tmp_path / "checkpoints")
     run = sharded_run(tmp_path, f"kill@save,rank=2,step={STEPS}", launcher=("--checkpoint-dir", checkpoints, "--checkpoint-every", "10"))
-    check(run, single["plain"])
+    # the survivors finish in a generation of their own, or with the restarted member if it is back in time
+    finished = harness.finished_members(run.run_dir)
+    assert len(finished) in (3, 4) and "vm.w0.r0" in finished, finished
+    check(run, single["plain"], members=len(finished))
     assert [(e["point"], e["step"]) for e in run.events("fault")] == [("save", STEPS)]
     final = [e for e in run.events("checkpoint") if e["step"] == STEPS]
-    assert len(final) == 1 and final[0]["parts"] == 4, final
+    assert len(final) == 1 and final[0]["parts"] == len(finished), final  # written once, by the last generation
+    assert max(e["generation"] for e in run.events("generation")) > 1  # the one that lost the member was broken
     store = CheckpointStore(checkpoints)
     assert store.steps()[0] == STEPS
     manifest, _ = store.read(STEPS)  # every part verified
-    assert manifest["final"] and manifest["optimizer_parts"]["members"] == 4
+    assert manifest["final"] and manifest["optimizer_parts"]["members"] == len(finished)
