@@ -242,3 +242,15 @@ def test_a_member_lost_while_it_writes_its_part_of_the_final_checkpoint_has_it_r
     assert store.steps()[0] == STEPS
     manifest, _ = store.read(STEPS)  # every part verified
     assert manifest["final"] and manifest["optimizer_parts"]["members"] == len(finished)
+
+
+def test_the_leader_killed_while_it_publishes_a_checkpoint_leaves_it_unpublished_and_the_job_goes_on(tmp_path, single):
+    # rank 0 dies with every part written and merged, before its manifest: the new leader saves the next ones
+    checkpoints = str(tmp_path / "checkpoints")
+    run = sharded_run(tmp_path, "kill@save,rank=0,step=10", launcher=("--checkpoint-dir", checkpoints, "--checkpoint-every", "5"))
+    check(run, single["plain"])
+    (fault,) = run.events("fault")
+    assert (fault["point"], fault["member"]) == ("save", "vm.w0.r0")
+    saved = [e["step"] for e in run.events("checkpoint")]
+    assert 10 not in saved and 15 in saved, saved
+    assert not os.path.exists(os.path.join(checkpoints, "step-00000010", "manifest.json"))
