@@ -28,7 +28,7 @@ class PartsSaver(Saver):
     checkpoint once every part is there (:func:`wait_for_parts`, :func:`merge`).
 
     ``save(step, {"train": state or None, "spans": {span: entries}}, meta)``: ``meta`` carries the
-    manifest's fields and ``"parts"``: this member's index, the members' ids (by index), the save's
+    manifest's fields and ``"parts"``: this member's index, the number of members, the save's
     generation, the tag every member names the save with (its staging directory, its markers), the
     groups' sizes and the layout. ``given_up(generation)`` says why the parts of members of that
     generation may never come (it ended, or is being abandoned), or None; rank 0 then stops waiting.
@@ -81,11 +81,11 @@ class PartsSaver(Saver):
         torch.save(copy.pop("train"), buffer)
         payload = buffer.getbuffer()
         put_file(store.fs, f"{root}/{STATE_FILE}", payload)
-        ids = parts["ids"]
-        markers = wait_for_parts(store.fs, root, len(ids), self.timeout, lambda: self.given_up(parts["generation"]), parts["tag"])
+        members = parts["members"]
+        markers = wait_for_parts(store.fs, root, members, self.timeout, lambda: self.given_up(parts["generation"]), parts["tag"])
         files = merge(store.fs, root, markers, parts["sizes"])
         files[STATE_FILE] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": payload.nbytes}
-        record = {"dir": PARTS_DIR, "members": len(ids), "sizes": parts["sizes"], "layout": parts["layout"]}
+        record = {"dir": PARTS_DIR, "members": members, "sizes": parts["sizes"], "layout": parts["layout"]}
         manifest = store.manifest(step, files, {**meta, "optimizer_parts": record}, FORMAT_WITH_PARTS)
         if store.local:
             store.move_into_place(root, name)
@@ -93,4 +93,4 @@ class PartsSaver(Saver):
         store.publish(name, manifest)
         deleted = store.retain(self.keep, just_written=step)
         return {"location": f"{store.url}/{name}", "bytes": sum(f["bytes"] for f in files.values()), "deleted": deleted,
-                "parts": len(ids)}
+                "parts": members}

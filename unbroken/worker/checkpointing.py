@@ -248,9 +248,8 @@ class Checkpointing:
         job = self.job
         sharded = job._sharded
         state = {"train": job._state() if group.rank == 0 else None, "spans": sharded_saving.owned(sharded, group.rank, group.size)}
-        parts = {"member": group.rank, "ids": list(group.members), "generation": group.number, "tag": tag,
-                 "sizes": list(sharded.sizes),
-                 "layout": sharded_saving.layout_record(sharded)}
+        parts = {"member": group.rank, "members": group.size, "generation": group.number, "tag": tag,
+                 "sizes": list(sharded.sizes), "layout": sharded_saving.layout_record(sharded)}
         return state, parts
 
     # -- replica groups: one DCP shard per process, written by one group --------------

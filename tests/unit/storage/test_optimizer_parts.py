@@ -30,9 +30,9 @@ def spans_of(member, n=2):
     return out
 
 
-def part_state(member, members=("a.w0.r0", "a.w1.r0")):
+def part_state(member, members=2):
     train = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {}, "param_groups": []}} if member == 0 else None
-    meta = {"generation": 4, "parts": {"member": member, "ids": list(members), "generation": 4, "tag": "g4-1f",
+    meta = {"generation": 4, "parts": {"member": member, "members": members, "generation": 4, "tag": "g4-1f",
                                        "sizes": SIZES, "layout": LAYOUT}}
     return {"train": train, "spans": spans_of(member)}, meta
 
